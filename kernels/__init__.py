@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU path, each next to its pure-PyTorch reference (specd.kernels)."""

@@ -1,0 +1,1 @@
+"""Drafter service and proposers (specd.drafter). Built in a later issue."""

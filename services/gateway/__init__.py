@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP/SSE gateway (specd.gateway). Built in a later issue."""

@@ -1,0 +1,1 @@
+"""Verifier service: owns the target model, KV cache and batch loop (specd.verifier). Built in a later issue."""

@@ -1,0 +1,157 @@
+"""`specd` command line. Subcommands import their heavy dependencies lazily."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments give one line on stderr, like every other error here."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def default_model() -> str | None:
+    from specd.demo_paths import demo_model_dir
+
+    path = demo_model_dir("target")
+    return str(path) if (path / "config.json").is_file() else None
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate offline, no services (one JSON line per prompt)")
+    p.add_argument("--model", default=None, help="local directory or hub id (default: the bundled demo target)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts-file", help='JSONL: {"prompt": "..."} or {"prompt_token_ids": [...]} per line')
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+
+
+def _read_prompts(args) -> list:
+    if args.prompt is not None:
+        return [args.prompt]
+    if args.prompt_ids is not None:
+        try:
+            return [[int(t) for t in args.prompt_ids.split(",") if t.strip()]]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    prompts = []
+    with open(args.prompts_file) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompts_file}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids"} & obj.keys()):
+                raise ValueError(f'{args.prompts_file}:{lineno}: expected {{"prompt": ...}} or {{"prompt_token_ids": [...]}}')
+            prompts.append(obj)
+    if not prompts:
+        raise ValueError(f"{args.prompts_file} has no prompts")
+    return prompts
+
+
+def _run_generate(args) -> int:
+    from specd.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    prompts = _read_prompts(args)
+    model = args.model or default_model()
+    if model is None:
+        raise ValueError("no --model given and the bundled demo model is missing (run `specd demo-models`)")
+    _set_threads(args.threads)
+    from specd.llm import LLM
+
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_gb=args.kv_cache_gb)
+    for out in llm.generate(prompts, params):
+        print(json.dumps(out.to_dict()), flush=True)
+    return 0
+
+
+def _set_threads(n: int | None) -> None:
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _add_demo_models(sub) -> None:
+    from specd.demo import command
+
+    p = sub.add_parser("demo-models", help="check (or --retrain) the bundled demo target/drafter pair")
+    command.add_arguments(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specd", description="speculative decoding for LLM serving")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_generate(sub)
+    _add_demo_models(sub)
+    return parser
+
+
+def _version() -> str:
+    from specd import __version__
+
+    return f"specd {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "demo-models":
+            from specd.demo import command
+
+            return command.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 — the CLI's contract: one line, never a traceback
+        if os.environ.get("SPECD_DEBUG"):
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _one_line(e: Exception) -> str:
+    from specd.config import format_validation_error
+
+    if type(e).__name__ == "ValidationError":
+        return format_validation_error(e)
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"no such file: {e.filename}"
+    msg = str(e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

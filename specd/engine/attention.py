@@ -1,0 +1,76 @@
+"""Attention over a flattened ragged batch, reading K/V from the paged cache.
+
+Every sequence in a step contributes `query_len` new tokens (a prefill chunk, one
+decode token, or later the last token plus k drafts) and attends to its whole
+context: cached tokens plus the new ones. This file is the one place that knows
+how; torch SDPA over a padded batch today, a paged-attention kernel on GPU later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    # T = total new tokens in the step, B = sequences, Q = max query len, C = max context len.
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B] cached + new tokens
+    query_index: torch.Tensor | None  # [T] position of each token in the padded [B * Q] layout; None = no padding
+    max_query_len: int
+    max_context_len: int
+    positions_2d: torch.Tensor  # [B, Q] absolute position of each (padded) query row
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, Q, C] boolean (True = attend), built once per window per step."""
+        if window is None and self.max_query_len == 1 and min(self.context_lens) == self.max_context_len:
+            return None  # decode with equal contexts: every cached key is visible
+        if window not in self._masks:
+            device = self.block_tables.device
+            keys = torch.arange(self.max_context_len, device=device)  # [C]
+            ctx = torch.tensor(self.context_lens, device=device)  # [B]
+            qpos = self.positions_2d[:, :, None]  # [B, Q, 1]
+            m = (keys[None, None, :] <= qpos) & (keys[None, None, :] < ctx[:, None, None])
+            if window is not None:
+                m &= qpos - keys[None, None, :] < window
+            # Padded query rows would see no key at all and give NaN; let them see key 0.
+            qlens = torch.tensor(self.query_lens, device=device)
+            pad_rows = torch.arange(self.max_query_len, device=device)[None, :] >= qlens[:, None]
+            m[..., 0] |= pad_rows
+            self._masks[window] = m.unsqueeze(1)
+        return self._masks[window]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    # k_cache, v_cache [num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; slots [T]
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    B, Q, C = len(meta.query_lens), meta.max_query_len, meta.max_context_len
+    T, H, D = q.shape
+    hkv = k_cache.shape[2]
+    k = k_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)  # [B, Hkv, C, D]
+    v = v_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)
+    if meta.query_index is None:
+        qp = q.view(B, Q, H, D)
+    else:
+        qp = q.new_zeros(B * Q, H, D).index_copy_(0, meta.query_index, q).view(B, Q, H, D)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=meta.mask(window), scale=scale, enable_gqa=H != hkv
+    )  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(B * Q, H, D)
+    return out if meta.query_index is None else out.index_select(0, meta.query_index)

@@ -1,0 +1,144 @@
+"""The engine loop: schedule → forward → sample → emit, one call each per step."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specd.config import EngineConfig
+from specd.engine.block_manager import BlockManager
+from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from specd.engine.model_runner import ModelRunner
+from specd.engine.sampler import Sampler, make_generator
+from specd.engine.scheduler import ScheduledSeq, Scheduler
+from specd.engine.sequence import Sequence
+from specd.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GB = 1.0
+DEFAULT_GPU_MEMORY_FRACTION = 0.85
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.arch = read_arch_config(self.model_dir)
+        self.device = default_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.arch, self.device)
+        self.max_model_len = self._max_model_len(config)
+        self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        num_blocks = self._num_kv_blocks(config)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        batched = config.max_num_batched_tokens or (
+            DEFAULT_MAX_BATCHED_TOKENS if config.enable_chunked_prefill
+            else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
+        if not config.enable_chunked_prefill and batched < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
+                             f"({self.max_model_len}) when chunked prefill is off")
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
+        self.sampler = Sampler(self.device, config.seed)
+        self.eos_token_ids = set(self.arch.eos_token_ids)
+        self.sequences: dict[int, Sequence] = {}
+
+    # -- setup ---------------------------------------------------------------
+    def _max_model_len(self, config: EngineConfig) -> int:
+        limit = self.arch.max_position_embeddings
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        return config.max_model_len
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        per_seq = -(-self.max_model_len // config.block_size)
+        if config.num_kv_blocks is not None:
+            blocks = config.num_kv_blocks
+        else:
+            per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+            if config.kv_cache_gb is not None:
+                budget = config.kv_cache_gb * 2**30
+            elif self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = free * DEFAULT_GPU_MEMORY_FRACTION
+            else:
+                budget = DEFAULT_CPU_KV_GB * 2**30
+            # No point reserving more than max_num_seqs full-length sequences can use.
+            blocks = min(int(budget // per_block), per_seq * config.max_num_seqs)
+        if blocks < per_seq:
+            raise ValueError(f"KV cache of {blocks} blocks x {config.block_size} tokens cannot hold one "
+                             f"sequence of max_model_len {self.max_model_len}; raise the KV budget or "
+                             f"lower max_model_len")
+        return blocks
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len} (room is needed for at least one new token)")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(prompt_token_ids, params, seq_id)
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"request id {seq.seq_id} is already in use")
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, self.device)
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one engine step; return the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.run(batch)
+        return self._emit(batch, logits)
+
+    def _emit(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
+        sampling = [e.seq for e in batch if e.num_logits]
+        tokens, logprobs = ([], None)
+        if sampling:
+            tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        for entry in batch:
+            entry.seq.num_computed_tokens += entry.num_new_tokens
+        finished = []
+        for i, seq in enumerate(sampling):
+            seq.output_token_ids.append(tokens[i])
+            if logprobs is not None and seq.params.want_logprobs:
+                seq.output_logprobs.append(logprobs[i])
+            reason = self._stop_reason(seq, tokens[i])
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.sequences.pop(seq.seq_id, None)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

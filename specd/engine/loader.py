@@ -1,0 +1,140 @@
+"""Load a Hugging Face checkpoint (local directory or hub id) straight into our modules."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specd.engine.model import CausalLM
+from specd.engine.model_config import ModelArchConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# checkpoint name piece -> (our fused parameter piece, shard index)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local directory, or a hub id fetched (or found in the local hub cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {model!r} has no config.json")
+        return path
+    if not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r} not found: no such directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    except Exception as e:  # offline, unknown repo, gated ...: one clear line
+        raise FileNotFoundError(
+            f"model {model!r} not found: not a local directory and not available from the hub "
+            f"({type(e).__name__})"
+        ) from None
+
+
+def read_arch_config(model_dir: Path) -> ModelArchConfig:
+    with open(model_dir / "config.json") as f:
+        cfg = json.load(f)
+    arch = ModelArchConfig.from_hf(cfg)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            arch.eos_token_ids = list(gen_eos) if isinstance(gen_eos, list) else [gen_eos]
+    return arch
+
+
+def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
+    # CPUs without bf16 matmul units are fastest (and exact) in float32.
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(arch.torch_dtype or "", torch.bfloat16) if arch.torch_dtype != "float32" else torch.float32
+
+
+def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(arch, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _load_tensor(params, name, f.get_tensor(name), arch)
+                if target:
+                    loaded.add(target)
+    missing = sorted(_expected_keys(params, arch) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} is missing weights: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+    model.rotary.build(device, dtype)
+    return model.eval()
+
+
+def _expected_keys(params: dict, arch: ModelArchConfig) -> set[str]:
+    keys = set()
+    for name in params:
+        fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
+        n = len(_shard_sizes(fused, arch)) if fused else 0
+        keys.update(f"{name}#{i}" for i in range(n)) if fused else keys.add(name)
+    return keys
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _load_tensor(params: dict, name: str, tensor: torch.Tensor, arch: ModelArchConfig) -> str | None:
+    if "rotary_emb" in name or (name == "lm_head.weight" and arch.tie_word_embeddings):
+        return None
+    for piece, (fused, shard) in _FUSED.items():
+        if piece in name:
+            target = name.replace(piece, fused)
+            param = params[target]
+            sizes = _shard_sizes(fused, arch)
+            start = sum(sizes[:shard])
+            param.data[start:start + sizes[shard]].copy_(tensor)
+            return f"{target}#{shard}"
+    if name not in params:
+        return None  # extra tensors (e.g. vision towers) are not ours
+    params[name].data.copy_(tensor)
+    return name
+
+
+def _shard_sizes(fused: str, arch: ModelArchConfig) -> list[int]:
+    if fused == ".qkv_proj.":
+        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
+    return [arch.intermediate_size, arch.intermediate_size]
+
+
+def default_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)

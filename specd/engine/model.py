@@ -1,0 +1,106 @@
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+Projections are fused (qkv, gate_up) so a step issues few, larger matmuls; the
+loader splits checkpoint tensors into the fused parameters.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
+from specd.engine.model_config import ModelArchConfig
+from specd.engine.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as transformers does.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, window: int | None):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window, self.scale = window, self.d**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+        return self.o_proj(out.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        windows = cfg.sliding_windows or [None] * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, windows[i]) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        logits_indices: torch.Tensor,  # [N] rows of the flattened batch that need logits
+    ) -> torch.Tensor:  # [N, vocab] float32
+        x = self.model.embed_tokens(token_ids)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        x = self.model.norm(x.index_select(0, logits_indices))
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()

@@ -1,0 +1,50 @@
+"""A request inside the engine: its tokens, KV block table, progress and outcome."""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from specd.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None):
+        self.seq_id = next(_ids) if seq_id is None else seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.params = params
+        self.status = SeqStatus.WAITING
+        # Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.generator: Any = None  # per-request seeded RNG, owned by the sampler side
+        self.num_preemptions = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, len={len(self)}, computed={self.num_computed_tokens}, {self.status.value})"

@@ -1,0 +1,89 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, no services needed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.config import EngineConfig
+from specd.engine.llm_engine import LLMEngine
+from specd.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logprobs: list[float] | None = None
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+                "text": self.text, "finish_reason": self.finish_reason}
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        token_prompts = [self._tokenize(p) for p in prompts]  # validate all before starting any
+        ids: list[int] = []
+        try:
+            for toks, sp in zip(token_prompts, params):
+                ids.append(self.engine.add_request(toks, sp))
+            done = {}
+            while self.engine.has_unfinished():
+                for seq in self.engine.step():
+                    done[seq.seq_id] = seq
+        finally:
+            for seq_id in ids:  # an exception mid-run must not leak KV blocks
+                self.engine.abort(seq_id)
+        return [self._output(i, done[seq_id]) for i, seq_id in enumerate(ids)]
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.engine.model_dir} has no tokenizer.json; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _output(self, index: int, seq) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+        return RequestOutput(
+            index=index,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            finish_reason=seq.finish_reason,
+            logprobs=seq.output_logprobs if seq.params.want_logprobs else None,
+        )
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a non-empty list (or a single prompt)")
+    return prompts

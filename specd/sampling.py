@@ -1,0 +1,76 @@
+"""SamplingParams: one definition for the offline API, the gateway and the verifier.
+
+Validation lives here so every entry point rejects the same bad values with the
+same message (the message names the field and says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Bounds for "absurd" values: large enough for any real use, small enough that a
+# typo (temperature=1e9, max_tokens=10**12) is caught instead of silently accepted.
+MAX_TEMPERATURE = 100.0
+MAX_TOKENS_LIMIT = 1 << 24
+MAX_SEED = (1 << 63) - 1
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # None/False: no logprobs; True or an int >= 0: logprob of each chosen token.
+    logprobs: bool | int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_number("max_tokens", self.max_tokens, integer=True)
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
+        self._check_number("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g}, got {self.temperature}")
+        self._check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._check_number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        self._check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self._check_number("seed", self.seed, integer=True)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be between 0 and 2**63-1, got {self.seed}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            self._check_number("logprobs", self.logprobs, integer=True)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @staticmethod
+    def _check_number(name: str, value: object, integer: bool = False) -> None:
+        ok_types = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_types):
+            kind = "an integer" if integer else "a number"
+            raise ValueError(f"{name} must be {kind}, got {value!r}")
+        if not integer and value != value:  # NaN
+            raise ValueError(f"{name} must be a number, got NaN")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.logprobs is not None and self.logprobs is not False
