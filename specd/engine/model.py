@@ -11,7 +11,7 @@ from torch import nn
 
 from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
 from specd.engine.model_config import ModelArchConfig
-from specd.engine.rotary import RotaryEmbedding
+from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same arithmetic order as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as transformers does.
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
@@ -36,17 +38,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(T, self.h * self.d))
+        return self.o_proj.forward(out.reshape(T, self.h * self.d))
 
 
 class MLP(nn.Module):
@@ -56,8 +58,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -68,9 +70,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    # Submodules are called through .forward: nn.Module.__call__ costs microseconds
+    # per call, which adds up at batch-1 decode on CPU.
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos_sin, kv_cache, meta)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class Backbone(nn.Module):
@@ -99,8 +103,9 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [N] rows of the flattened batch that need logits
     ) -> torch.Tensor:  # [N, vocab] float32
         x = self.model.embed_tokens(token_ids)
+        cos_sin = self.rotary(positions)  # once per step, shared by all layers
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta)
-        x = self.model.norm(x.index_select(0, logits_indices))
+            x = layer.forward(x, cos_sin, kv, meta)
+        x = self.model.norm.forward(x.index_select(0, logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
