@@ -1,1 +1,1 @@
-"""specd/engine"""
+"""The verifier engine: model, paged KV cache, scheduler, runner, sampler, loop."""
