@@ -81,3 +81,18 @@ def test_logits_match_transformers(tmp_path_factory, family):
             diff = (got - ref).abs().max().item()
             assert diff <= 1e-4, f"{family} chunks={chunks} len={len(prompt)}: max abs diff {diff:.2e}"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_loads_and_tracks_transformers(tmp_path_factory, dtype):
+    """Half-precision weights run end to end and stay close to transformers in the same dtype."""
+    path, hf = _make_model(tmp_path_factory, "qwen3")
+    torch_dtype = getattr(torch, dtype)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cpu", block_size=4, num_kv_blocks=64))
+    assert engine.model.model.embed_tokens.weight.dtype == torch_dtype
+    prompt = list(range(3, 40))
+    (ours,) = _paged_logits(engine, [prompt], (11,))
+    with torch.no_grad():
+        ref = hf.to(torch_dtype)(torch.tensor([prompt])).logits[0].float()
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= 0.03 * scale
