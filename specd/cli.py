@@ -44,6 +44,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="per-request override of k (0 turns speculation off)")
 
 
 def _read_prompts(args) -> list:
@@ -75,7 +79,8 @@ def _run_generate(args) -> int:
     from specd.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            num_speculative_tokens=args.num_speculative_tokens)
     prompts = _read_prompts(args)
     model = args.model or default_model()
     if model is None:
@@ -83,7 +88,7 @@ def _run_generate(args) -> int:
     _set_threads(args.threads)
     from specd.llm import LLM
 
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    llm = LLM(model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_gb=args.kv_cache_gb)
     for out in llm.generate(prompts, params):

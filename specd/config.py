@@ -34,7 +34,75 @@ def format_validation_error(err: Exception) -> str:
     if callable(errors):
         parts = []
         for e in errors():
-            loc = ".".join(str(x) for x in e.get("loc", ())) or "config"
-            parts.append(f"{loc}: {e.get('msg')}")
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            msg = str(e.get("msg", "")).removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
         return "; ".join(parts)
     return str(err)
+
+
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+
+
+class SpeculativeConfig(BaseModel):
+    """`--speculative-config` JSON, with vLLM's key names where vLLM has one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "suffix", "draft_model"]
+    model: str | None = None  # draft_model: local directory or hub id
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    # ngram (prompt lookup)
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    # suffix decoding
+    suffix_decoding_max_tree_depth: int = Field(default=24, ge=1)
+    suffix_decoding_max_cached_requests: int = Field(default=10000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0, le=1)
+    # draft_model: greedy drafts, or drafts sampled from the drafter's top-k truncated
+    # distribution (that sparse q is what the verifier uses for exact acceptance)
+    draft_sample_method: Literal["greedy", "sampled"] = "greedy"
+    draft_top_k: int = Field(default=16, ge=1, le=1024)
+    draft_dtype: DType = "auto"
+    # acceptance: strict is lossless; typical and synthetic are lossy and reported as such
+    rejection_sample_method: Literal["strict", "typical", "synthetic"] = "strict"
+    posterior_threshold: float = Field(default=0.09, gt=0, le=1)
+    posterior_alpha: float = Field(default=0.3, gt=0, le=1)
+    synthetic_acceptance_rate: float | None = Field(default=None, ge=0, le=1)
+    # controller: choose k per step from the measured cost model (False: always k)
+    adaptive: bool = True
+
+    def model_post_init(self, _context) -> None:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs 'model' (a directory or hub id)")
+        if self.method != "draft_model" and self.model:
+            raise ValueError(f"'model' is only used by method 'draft_model', not {self.method!r}")
+        if self.rejection_sample_method == "synthetic" and self.synthetic_acceptance_rate is None:
+            raise ValueError("rejection_sample_method 'synthetic' needs synthetic_acceptance_rate")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From JSON text or a dict; unknown keys and bad values give one clear line."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e.msg} at position {e.pos}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        unknown = sorted(set(value) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known keys: {', '.join(cls.model_fields)}")
+        try:
+            return cls(**value)
+        except ValueError as e:
+            raise ValueError(f"speculative config: {format_validation_error(e)}") from None

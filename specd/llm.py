@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specd.config import EngineConfig
+from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.llm_engine import LLMEngine
 from specd.sampling import SamplingParams
 from specd.tokenizer import Tokenizer
@@ -19,15 +19,21 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     logprobs: list[float] | None = None
+    spec: dict | None = None  # speculation counters when speculation was configured
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                "text": self.text, "finish_reason": self.finish_reason}
+        d = {"index": self.index, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+             "text": self.text, "finish_reason": self.finish_reason}
+        if self.spec is not None:
+            d["spec"] = self.spec
+        return d
 
 
 class LLM:
-    def __init__(self, model: str, **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+    def __init__(self, model: str, speculative_config: "str | dict | SpeculativeConfig | None" = None,
+                 **engine_kwargs):
+        spec = SpeculativeConfig.parse(speculative_config)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), spec)
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
 
     def generate(self, prompts: Prompt | list[Prompt],
@@ -76,7 +82,17 @@ class LLM:
             text=text,
             finish_reason=seq.finish_reason,
             logprobs=seq.output_logprobs if seq.params.want_logprobs else None,
+            spec=self._spec_dict(seq),
         )
+
+    def _spec_dict(self, seq) -> dict | None:
+        speculator = self.engine.speculator
+        if speculator is None:
+            return None
+        d = seq.spec_stats.to_dict()
+        if speculator.lossy:
+            d["lossy"] = speculator.config.rejection_sample_method
+        return d
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

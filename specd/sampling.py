@@ -13,6 +13,7 @@ MAX_TEMPERATURE = 100.0
 MAX_TOKENS_LIMIT = 1 << 24
 MAX_SEED = (1 << 63) - 1
 MAX_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass
@@ -27,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # None/False: no logprobs; True or an int >= 0: logprob of each chosen token.
     logprobs: bool | int | None = None
+    # Per-request speculation override: None = the controller decides, 0 = off, k = up to k drafts.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_number("max_tokens", self.max_tokens, integer=True)
@@ -57,6 +60,12 @@ class SamplingParams:
             self._check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+        if self.num_speculative_tokens is not None:
+            self._check_number("num_speculative_tokens", self.num_speculative_tokens, integer=True)
+            if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"num_speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}, "
+                                 f"got {self.num_speculative_tokens}")
 
     @staticmethod
     def _check_number(name: str, value: object, integer: bool = False) -> None:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from specd.config import EngineConfig
+from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.model_runner import ModelRunner
@@ -22,7 +23,7 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, speculative_config: SpeculativeConfig | None = None):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.arch = read_arch_config(self.model_dir)
@@ -43,6 +44,15 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
+        self.speculator = self._make_speculator(speculative_config) if speculative_config else None
+
+    def _make_speculator(self, spec: SpeculativeConfig):
+        from specd.drafter.proposers.factory import make_proposer
+        from specd.engine.speculator import Speculator
+
+        proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device)
+        return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len, self.block_manager,
+                          self.device, self.sampler.default_generator)
 
     # -- setup ---------------------------------------------------------------
     def _max_model_len(self, config: EngineConfig) -> int:
@@ -98,7 +108,13 @@ class LLMEngine:
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)
         if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sequences.pop(seq.seq_id, None)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -113,26 +129,53 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.speculator is not None:
+            used = sum(e.num_new_tokens for e in batch)
+            self.speculator.propose(batch, self.scheduler.max_num_batched_tokens - used)
+        t0 = time.perf_counter()
         logits = self.runner.run(batch)
-        return self._emit(batch, logits)
+        new_tokens = self._accept(batch, logits)
+        if self.speculator is not None:
+            self.speculator.controller.observe_verify(sum(e.num_new_tokens for e in batch), time.perf_counter() - t0)
+        return self._emit(batch, logits, new_tokens)
 
-    def _emit(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
+    def _accept(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[list[int]]:
+        """Tokens to commit per sampled entry: one, or accepted drafts + one when speculating."""
         sampling = [e.seq for e in batch if e.num_logits]
-        tokens, logprobs = ([], None)
-        if sampling:
-            tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        if not sampling:
+            return []
+        if self.speculator is not None:
+            return self.speculator.accept(batch, logits)[0]
+        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return [[t] for t in tokens]
+
+    def _emit(self, batch: list[ScheduledSeq], logits: torch.Tensor, new_tokens: list[list[int]]) -> list[Sequence]:
+        finished, row, i = [], 0, 0
+        want_logprobs = any(e.seq.params.want_logprobs for e in batch if e.num_logits)
+        logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         for entry in batch:
-            entry.seq.num_computed_tokens += entry.num_new_tokens
-        finished = []
-        for i, seq in enumerate(sampling):
-            seq.output_token_ids.append(tokens[i])
-            if logprobs is not None and seq.params.want_logprobs:
-                seq.output_logprobs.append(logprobs[i])
-            reason = self._stop_reason(seq, tokens[i])
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self.sequences.pop(seq.seq_id, None)
-                finished.append(seq)
+            seq = entry.seq
+            if not entry.num_logits:
+                seq.num_computed_tokens += entry.num_new_tokens
+                continue
+            tokens = new_tokens[i]
+            # KV is valid for the last committed token plus the accepted drafts; rejected
+            # slots are rolled back (the newest token's KV is computed next step).
+            rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
+            seq.num_computed_tokens += entry.num_new_tokens - rejected
+            if rejected:
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
+            for j, token in enumerate(tokens):
+                seq.output_token_ids.append(token)
+                if logprobs is not None and seq.params.want_logprobs:
+                    seq.output_logprobs.append(logprobs[row + j, token].item())
+                reason = self._stop_reason(seq, token)
+                if reason:  # a stop inside accepted drafts ends the sequence right there
+                    self._finish(seq, reason)
+                    finished.append(seq)
+                    break
+            row += entry.num_logits
+            i += 1
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

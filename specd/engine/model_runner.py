@@ -37,7 +37,9 @@ class ModelRunner:
         for entry in batch:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start:start + n])
+            num_committed = n - len(entry.draft_token_ids)
+            token_ids.extend(seq.token_ids[start:start + num_committed])
+            token_ids.extend(entry.draft_token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
             table = seq.block_table

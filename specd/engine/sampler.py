@@ -47,8 +47,8 @@ class Sampler:
         self.default_generator = make_generator(seed, device)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
-        """logits [N, V] float32 → one token per row (+ its logprob under the raw logits if asked)."""
+                 generators: list[torch.Generator | None]) -> list[int]:
+        """logits [N, V] float32 → one token per row."""
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
@@ -59,7 +59,4 @@ class Sampler:
                     noise[i].exponential_(generator=gen or self.default_generator)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
-        logprobs = None
-        if any(p.want_logprobs for p in params):
-            logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+        return tokens.tolist()

@@ -8,7 +8,7 @@ its blocks are freed and it is recomputed later from its prompt + outputs.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specd.engine.block_manager import BlockManager
 from specd.engine.sequence import Sequence, SeqStatus
@@ -19,6 +19,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes: token_ids[computed : computed + n]
     num_logits: int  # logits wanted at the last num_logits of those positions (0 = mid-prefill chunk)
+    # Speculation fills these after scheduling: the forward then covers [last token, *drafts].
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_q: list | None = None  # sparse q per draft: (ids, probs); None = deterministic drafts
 
 
 class Scheduler:

@@ -5,6 +5,7 @@ import enum
 import itertools
 from typing import Any
 
+from specd.engine.spec_stats import SpecStats
 from specd.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -30,6 +31,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: Any = None  # per-request seeded RNG, owned by the sampler side
         self.num_preemptions = 0
+        self.spec_stats = SpecStats()
+        self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
 
     @property
     def token_ids(self) -> list[int]:

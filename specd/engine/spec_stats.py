@@ -1,0 +1,49 @@
+"""Speculation counters, in the form operators chart (vLLM's spec_decode metrics).
+
+Raw counts only: acceptance rate = accepted / draft_tokens; mean acceptance length
+= 1 + accepted / drafts. A request that never speculated has all zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    drafts: int = 0  # verify steps that carried at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def observe_draft(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for i, n in enumerate(other.accepted_per_pos):
+            if i < len(self.accepted_per_pos):
+                self.accepted_per_pos[i] += n
+            else:
+                self.accepted_per_pos.append(n)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def to_dict(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "accepted_per_pos": list(self.accepted_per_pos)}
