@@ -1,0 +1,72 @@
+"""Speculation controller: k from the measured cost model and acceptance history."""
+from __future__ import annotations
+
+from specd.engine.spec_controller import EXPLORE_EVERY, MIN_SAMPLES, LinearCost, SpecController, expected_tokens
+from specd.engine.spec_stats import SpecStats
+
+
+def _trained(verify, alpha: float, max_k: int = 4, seqs=range(32)) -> SpecController:
+    c = SpecController(max_k)
+    for t in range(1, 200, 7):
+        c.observe_verify(t, verify(t))
+    c.observe_draft(4, 4 * 0.0001)
+    for sid in seqs:
+        for _ in range(50):  # a per-token acceptance of alpha, as geometric outcomes
+            accepted = 0
+            while accepted < 4 and (hash((sid, _, accepted)) % 1000) / 1000 < alpha:
+                accepted += 1
+            c.observe_accept(sid, 4, accepted)
+    c.steps = 1  # keep clear of the exploration step
+    return c
+
+
+def test_linear_cost_recovers_a_line():
+    cost = LinearCost()
+    for t in range(1, 50):
+        cost.observe(t, 0.002 + 0.0005 * t)
+    assert abs(cost(100) - (0.002 + 0.05)) < 1e-6
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_flat_verify_cost_and_high_acceptance_speculates_fully():
+    c = _trained(lambda t: 0.010 + 0.00001 * t, alpha=0.9, seqs=[0])
+    assert c.choose([(0, 4, None)], base_tokens=1) == [4]
+
+
+def test_compute_bound_large_batch_switches_off():
+    c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.6)
+    ks = c.choose([(i, 4, None) for i in range(32)], base_tokens=32)
+    assert ks == [0] * 32
+
+
+def test_low_acceptance_switches_off_even_at_batch_one():
+    c = _trained(lambda t: 0.004 + 0.001 * t, alpha=0.02, seqs=[0])
+    assert c.choose([(0, 4, None)], base_tokens=1) == [0]
+
+
+def test_override_and_cap_are_respected():
+    c = _trained(lambda t: 0.010 + 0.00001 * t, alpha=0.9, seqs=[0, 1, 2])
+    assert c.choose([(0, 4, 0), (1, 2, None), (2, 4, 3)], base_tokens=3) == [0, 2, 3]
+
+
+def test_untrained_or_exploration_step_uses_full_k():
+    c = SpecController(5)
+    assert c.verify_cost.n < MIN_SAMPLES
+    assert c.choose([(0, 5, None), (1, 2, None)], base_tokens=2) == [5, 2]
+    c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.1)
+    c.steps = EXPLORE_EVERY - 1
+    assert c.choose([(0, 4, None)], base_tokens=32) == [4]
+
+
+def test_spec_stats_counts_and_ratios():
+    s = SpecStats()
+    s.observe_draft(0, 0)  # no drafts: nothing counted
+    s.observe_draft(4, 2)
+    s.observe_draft(3, 3)
+    assert s.to_dict() == {"drafts": 2, "draft_tokens": 7, "accepted_tokens": 5, "accepted_per_pos": [2, 2, 1, 0]}
+    assert abs(s.acceptance_rate - 5 / 7) < 1e-12 and s.mean_acceptance_length == 3.5
