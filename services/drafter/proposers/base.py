@@ -1,0 +1,84 @@
+"""The proposer interface: propose(batch) -> drafts (+ optional sparse q), release(ids).
+
+Proposers are plain objects found through the PROPOSERS registry. Their per-sequence
+state is keyed by sequence id and fed only committed tokens (drafts that were not
+accepted never reach it, so there is nothing speculative to undo). A request that
+does not line up with what the proposer knows is answered with resync=True, and the
+caller sends the full history next time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+
+@dataclass
+class ProposeRequest:
+    seq_id: int
+    new_tokens: list[int]  # committed since the last request (the full history when full_history)
+    num_tokens: int  # total committed length after appending new_tokens
+    k: int  # max drafts wanted (0 = none)
+    full_history: bool = False  # first contact, resync, or a rollback of committed history
+    temperature: float = 0.0  # drafter-side sampling (draft_model only)
+    seed: int | None = None
+
+
+@dataclass
+class Proposal:
+    seq_id: int
+    token_ids: list[int]
+    q_ids: list[list[int]] | None = None  # sparse q per position; None: deterministic (one-hot)
+    q_probs: list[list[float]] | None = None
+    resync: bool = False
+
+
+class Proposer(Protocol):
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]: ...
+
+    def release(self, seq_ids: list[int]) -> None: ...
+
+
+PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        PROPOSERS[name] = cls
+        return cls
+
+    return wrap
+
+
+class TokenHistories:
+    """Committed token history per sequence, with resync detection and TTL release."""
+
+    def __init__(self, ttl_seconds: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        self.ttl, self.clock = ttl_seconds, clock
+        self.tokens: dict[int, list[int]] = {}
+        self.touched: dict[int, float] = {}
+
+    def sync(self, req: ProposeRequest) -> list[int] | None:
+        """The history after applying req, or None when out of sync (state dropped)."""
+        known = self.tokens.get(req.seq_id)
+        if req.full_history:
+            known = self.tokens[req.seq_id] = list(req.new_tokens)
+        elif known is None or len(known) + len(req.new_tokens) != req.num_tokens:
+            self.release([req.seq_id])
+            return None
+        else:
+            known.extend(req.new_tokens)
+        if len(known) != req.num_tokens:
+            self.release([req.seq_id])
+            return None
+        self.touched[req.seq_id] = self.clock()
+        return known
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.tokens.pop(sid, None)
+            self.touched.pop(sid, None)
+
+    def expired(self) -> list[int]:
+        now = self.clock()
+        return [sid for sid, t in self.touched.items() if now - t > self.ttl]

@@ -1,0 +1,134 @@
+"""draft_model proposer: a small model on our own engine, batched across sequences.
+
+Each tracked sequence keeps its committed history and the KV for it in the drafter's
+own paged cache. A propose call runs k batched forwards: the first catches up on the
+newly committed tokens and yields draft 1, each next one feeds the previous draft.
+Afterwards the KV of the drafts is rolled back, so state only ever holds committed
+tokens (the accepted drafts are recomputed as part of the next catch-up chunk, which
+costs no extra forward).
+
+Greedy drafts ship only ids (q is one-hot). Sampled drafts come from the drafter's
+top-k truncated, renormalised distribution at the request's temperature, and that
+sparse q ships with them so the verifier can accept exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from specd.drafter.proposers.base import Proposal, ProposeRequest
+from specd.engine.block_manager import BlockManager
+from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from specd.engine.model_runner import ModelRunner
+from specd.engine.scheduler import ScheduledSeq
+from specd.engine.sequence import Sequence
+from specd.sampling import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class DraftModelProposer:
+    def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 sample_method: str = "greedy", top_k: int = 16, seed: int = 0):
+        model_dir = resolve_model_dir(model)
+        self.arch = read_arch_config(model_dir)
+        self.device = device if isinstance(device, torch.device) else default_device(device)
+        self.dtype = resolve_dtype(dtype, self.arch, self.device)
+        self.max_model_len = min(max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.model = load_model(model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        per_seq = -(-self.max_model_len // block_size)
+        num_blocks = num_blocks or per_seq * 64
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
+        self.sample_method, self.top_k = sample_method, top_k
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seqs: dict[int, Sequence] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        out: dict[int, Proposal] = {}
+        active: list[tuple[Sequence, ProposeRequest]] = []
+        for req in batch:
+            seq = self._sync(req)
+            if seq is None:
+                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+            elif req.k <= 0 or len(seq) + req.k > self.max_model_len:
+                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+            else:
+                active.append((seq, req))
+                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[],
+                                           q_ids=[] if self._sampled(req) else None,
+                                           q_probs=[] if self._sampled(req) else None)
+        with torch.inference_mode():
+            self._draft(active, out)
+        for seq, _ in active:  # roll back: state holds committed tokens only
+            committed = len(seq) - len(out[seq.seq_id].token_ids)
+            del seq.output_token_ids[len(seq.output_token_ids) - len(out[seq.seq_id].token_ids):]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, committed)
+            self.blocks.truncate(seq, seq.num_computed_tokens)
+        return [out[r.seq_id] for r in batch]
+
+    def _draft(self, active, out) -> None:
+        for step in range(max((r.k for _, r in active), default=0)):
+            live = [(s, r) for s, r in active if r.k > step and self._room(s)]
+            if not live:
+                return
+            entries = [ScheduledSeq(s, s.num_uncomputed_tokens, 1) for s, _ in live]
+            logits = self.runner.run(entries)
+            for e in entries:
+                e.seq.num_computed_tokens += e.num_new_tokens
+            for (seq, req), row in zip(live, logits):
+                prop = out[seq.seq_id]
+                if self._sampled(req):
+                    token, ids, probs = self._sample_sparse(seq, row, req)
+                    prop.q_ids.append(ids)
+                    prop.q_probs.append(probs)
+                else:
+                    token = int(row.argmax())
+                prop.token_ids.append(token)
+                seq.output_token_ids.append(token)  # fed as input of the next draft step
+
+    def _room(self, seq: Sequence) -> bool:
+        return self.blocks.allocate(seq, len(seq))
+
+    def _sampled(self, req: ProposeRequest) -> bool:
+        return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
+
+    def _sample_sparse(self, seq: Sequence, logits: torch.Tensor, req: ProposeRequest):
+        top = (logits.float() / req.temperature).topk(min(self.top_k, logits.shape[-1]))
+        probs = top.values.softmax(-1)
+        # A seeded request drafts from its own generator, so its drafts (and therefore
+        # its final tokens) do not depend on the other sequences in the batch.
+        gen = seq.generator or self.generator
+        choice = int(torch.multinomial(probs, 1, generator=gen))
+        return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
+
+    def _sync(self, req: ProposeRequest) -> Sequence | None:
+        """Apply the committed delta; None when out of sync (the caller resends the history)."""
+        seq = self.seqs.get(req.seq_id)
+        if req.full_history:
+            if seq is not None:
+                self.blocks.free(seq)
+            seq = Sequence(req.new_tokens, _GREEDY, seq_id=req.seq_id)
+            if req.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+            self.seqs[req.seq_id] = seq
+        elif seq is None or len(seq) + len(req.new_tokens) != req.num_tokens:
+            self.release([req.seq_id])
+            return None
+        else:
+            seq.output_token_ids.extend(req.new_tokens)
+        if len(seq) != req.num_tokens:
+            self.release([req.seq_id])
+            return None
+        return seq
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            seq = self.seqs.pop(sid, None)
+            if seq is not None:
+                self.blocks.free(seq)

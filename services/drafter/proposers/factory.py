@@ -1,0 +1,22 @@
+"""Build a proposer from a SpeculativeConfig (the offline engine and the drafter service share it)."""
+from __future__ import annotations
+
+import torch
+
+from specd.config import SpeculativeConfig
+
+
+def make_proposer(spec: SpeculativeConfig, target_vocab_size: int, device: torch.device | str = "cpu"):
+    from specd.drafter.proposers.base import PROPOSERS
+
+    if spec.method == "draft_model":
+        from specd.drafter.proposers.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(spec.model, dtype=spec.draft_dtype, device=device,
+                                      sample_method=spec.draft_sample_method, top_k=spec.draft_top_k)
+        if proposer.vocab_size != target_vocab_size:
+            raise ValueError(f"draft model vocabulary ({proposer.vocab_size}) does not match the target's "
+                             f"({target_vocab_size}); a drafter must share the target's tokenizer")
+        return proposer
+    options = {k: v for k, v in spec.model_dump().items() if k.startswith(("prompt_lookup_", "suffix_decoding_"))}
+    return PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)
