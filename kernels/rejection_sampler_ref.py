@@ -1,86 +1,92 @@
-"""Batched rejection sampling, straight PyTorch: the reference (and the CPU path).
+"""Batched rejection sampling in straight PyTorch: the reference and the CPU path.
 
-Per sequence b with drafts x_1..x_k (k = num_draft[b]) and target distributions
-p_1..p_{k+1} (rows cu[b]+b .. cu[b]+b+k of target_probs; the last is the bonus row):
-  accepted  x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), in order, until
-            the first rejection (greedy rows: kept iff x_i == argmax p_i);
-  recovered at the first rejected position i, a replacement drawn from
-            norm(max(0, p_i − q_i)) (greedy: argmax p_i);
-  bonus     when all k are kept, one more token drawn from p_{k+1}.
-Every sequence emits num_accepted + 1 tokens, exactly distributed as the target
-alone for any q (Leviathan et al. 2023). q is one-hot(x_i) for deterministic drafts,
-or the sparse top-K distribution the drafter sampled from.
-Draws use the exponential race argmax(w / E), E ~ Exp(1), with the randomness passed
-in, so this is a deterministic function of its inputs.
+Layout (flattened ragged batch): sequence b has k_b = num_draft[b] drafts at
+draft_token_ids[cu[b] : cu[b+1]] and k_b + 1 target rows at target_probs[cu[b]+b :
+cu[b+1]+b+1] — one per draft position, then its bonus position. Per sequence:
+  accepted   draft x_i kept with probability min(1, p_i(x_i) / q_i(x_i)), in order, until
+             the first rejection; greedy rows keep x_i iff x_i == argmax p_i;
+  recovered  at the first rejected position i, the replacement drawn from
+             norm(max(0, p_i - q_i)) (greedy: argmax p_i);
+  bonus      when all k_b drafts are kept, one more token drawn from p_{k_b+1}.
+So every sequence emits num_accepted + 1 tokens, distributed exactly as the target
+alone for any q (Leviathan et al. 2023). Draws use the exponential race argmax(w / E),
+E ~ Exp(1) passed in, so this is a deterministic function of its inputs.
 """
 from __future__ import annotations
 
 import torch
 
+STRICT, TYPICAL, SYNTHETIC = 0, 1, 2
+
 
 def rejection_sample_ref(
-    target_probs: torch.Tensor,  # [N + B, V] float32, processed (temperature/top-k/top-p/min-p)
-    target_argmax: torch.Tensor,  # [N + B] int64, argmax of the raw target logits (greedy rows)
+    target_probs: torch.Tensor,  # [N + B, V] float32, after temperature/top-k/top-p/min-p
+    target_argmax: torch.Tensor,  # [N + B] int64, the greedy token of each target row
     draft_token_ids: torch.Tensor,  # [N] int64
     num_draft: torch.Tensor,  # [B] int64
-    draft_q_ids: torch.Tensor | None,  # [N, Kq] int64, -1 padded; None: q = one-hot(draft)
-    draft_q_probs: torch.Tensor | None,  # [N, Kq] float32
+    cu_num_draft: torch.Tensor,  # [B + 1] int64, cu[0] = 0
+    draft_q_ids: torch.Tensor | None,  # [N, Kq] int64, -1 padded, unique; None: q = one-hot
+    draft_q_probs: torch.Tensor | None,  # [N, Kq] float32, 0 padded
     is_greedy: torch.Tensor,  # [B] bool
-    uniforms: torch.Tensor,  # [N] float32 in [0, 1)
-    noise: torch.Tensor,  # [B, V] float32, Exp(1)
-    mode: int = 0,  # 0 strict, 1 typical, 2 synthetic
+    uniforms: torch.Tensor | None,  # [N] float32 in [0, 1); None only for an all-greedy strict batch
+    noise: torch.Tensor | None,  # [B, V] float32 Exp(1); None only for an all-greedy batch
+    max_num_draft: int,  # >= num_draft.max(); output width is max_num_draft + 1
+    all_greedy: bool,
+    mode: int = STRICT,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
-    synthetic_acceptance_rate: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, max_k + 1] (-1 padded), num_accepted [B]
-    B, V = num_draft.shape[0], target_probs.shape[1]
-    N = draft_token_ids.shape[0]
-    K = int(num_draft.max()) if B else 0
-    dev = target_probs.device
-    cu = torch.cumsum(num_draft, 0) - num_draft  # [B] first draft of each sequence
-    first_row = cu + torch.arange(B, device=dev)  # [B] first target row of each sequence
-    pos = torch.arange(K, device=dev)
+    synthetic_acceptance_rate: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, max_num_draft + 1] (-1 padded), num_accepted [B]
+    B, N, dev = num_draft.shape[0], draft_token_ids.shape[0], target_probs.device
+    K = max_num_draft if N else 0
+    first_draft = cu_num_draft[:-1]  # [B]
+    first_row = first_draft + torch.arange(B, device=dev)  # [B]
+    pos = torch.arange(K, device=dev)  # [K]
     valid = pos[None, :] < num_draft[:, None]  # [B, K]
-    draft_idx = (cu[:, None] + pos).clamp(max=max(N - 1, 0))  # [B, K]
-    rows = first_row[:, None] + pos  # [B, K]
-    rows = torch.where(valid, rows, first_row[:, None])
-    x = draft_token_ids[draft_idx] if N else torch.zeros(B, K, dtype=torch.long, device=dev)  # [B, K]
-    p = target_probs[rows]  # [B, K, V]
-    p_x = p.gather(-1, x[..., None])[..., 0]  # [B, K]
-    if draft_q_ids is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        q_x = ((draft_q_ids[draft_idx] == x[..., None]) * draft_q_probs[draft_idx]).sum(-1)
-    u = uniforms[draft_idx] if N else torch.zeros(B, K, device=dev)
-    if mode == 0:
-        accept = u * q_x < p_x  # u < min(1, p/q) without dividing
-    elif mode == 1:
-        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
-        accept = p_x > torch.minimum(torch.full_like(p_x, posterior_threshold),
-                                     posterior_alpha * torch.exp(-entropy))
-    else:
-        accept = u < synthetic_acceptance_rate
-    accept = torch.where(is_greedy[:, None], x == target_argmax[rows], accept) & valid
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
-    # The one token drawn per sequence: recovered at the first rejection, or the bonus.
-    final_row = first_row + num_accepted  # [B]
-    p_final = target_probs[final_row]  # [B, V]
-    rejected = num_accepted < num_draft
-    q_dense = torch.zeros(B, V, device=dev)
-    rej_draft = (cu + num_accepted).clamp(max=max(N - 1, 0))  # [B]
-    if N:
-        if draft_q_ids is None:
-            q_dense.scatter_(1, draft_token_ids[rej_draft][:, None], 1.0)
+    d_idx = torch.where(valid, first_draft[:, None] + pos, 0)  # [B, K] index into the N arrays
+    rows = torch.where(valid, first_row[:, None] + pos, 0)  # [B, K] index into the target rows
+    x = draft_token_ids[d_idx]  # [B, K]
+    out = torch.full((B, max_num_draft + 1), -1, dtype=torch.long, device=dev)
+
+    def count_accepted(accept: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B]: length of the kept prefix
+        return (accept & valid).long().cumprod(dim=1).sum(dim=1)
+
+    # Greedy path: accept iff the draft is the target's argmax; replacement and bonus = argmax.
+    g_accept = uniforms[d_idx] < synthetic_acceptance_rate if mode == SYNTHETIC else x == target_argmax[rows]
+    n_acc = count_accepted(g_accept)
+    final = target_argmax[first_row + n_acc]  # [B]
+    if not all_greedy:
+        # Random path.
+        p_x = target_probs[rows, x]  # [B, K]
+        u = uniforms[d_idx]  # [B, K]
+        if mode == STRICT:
+            q_x = torch.ones_like(p_x) if draft_q_ids is None else (
+                (draft_q_ids[d_idx] == x[..., None]) * draft_q_probs[d_idx]).sum(-1)
+            r_accept = u * q_x < p_x  # u < min(1, p/q) without a division
+        elif mode == TYPICAL:
+            p = target_probs[rows]  # [B, K, V]
+            entropy = -torch.where(p > 0, p * torch.log(p), 0.0).sum(-1)
+            r_accept = p_x > torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
         else:
-            ids = draft_q_ids[rej_draft]
-            q_dense.scatter_add_(1, ids.clamp_min(0), draft_q_probs[rej_draft] * (ids >= 0))
-    residual = (p_final - q_dense).clamp_min(0) if mode == 0 else p_final
-    residual = torch.where(rejected[:, None], residual, p_final)
-    # Rounding can leave an all-zero residual where p == q; p itself is then the answer.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
-    drawn = (residual / noise).argmax(-1)
-    final = torch.where(is_greedy, target_argmax[final_row], drawn)
-    out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
-    out[:, :K] = torch.where(pos[None, :] < num_accepted[:, None], x, -1)
-    out.scatter_(1, num_accepted[:, None], final[:, None])
-    return out, num_accepted
+            r_accept = u < synthetic_acceptance_rate
+        r_n_acc = count_accepted(r_accept)
+        final_row = first_row + r_n_acc  # [B]
+        p_final = target_probs[final_row]  # [B, V]
+        q_dense = torch.zeros_like(p_final)  # q at the rejected position; 0 for a bonus draw
+        if mode == STRICT and N:
+            rejected = (r_n_acc < num_draft)[:, None]  # [B, 1]
+            rej = (first_draft + r_n_acc).clamp(max=N - 1)  # [B]
+            if draft_q_ids is None:
+                q_dense.scatter_(1, draft_token_ids[rej][:, None], rejected.float())
+            else:
+                ids = draft_q_ids[rej]
+                q_dense.scatter_add_(1, ids.clamp_min(0), draft_q_probs[rej] * ((ids >= 0) & rejected))
+        w = torch.clamp_min(p_final - q_dense, 0.0)  # residual at a rejection, p for the bonus
+        # Rounding can leave no residual mass where p == q on the support; p is then the answer.
+        use_p = w.max(dim=-1, keepdim=True).values <= 0
+        drawn = torch.where(use_p[:, 0], (p_final / noise).argmax(-1), (w / noise).argmax(-1))
+        n_acc = torch.where(is_greedy, n_acc, r_n_acc)
+        final = torch.where(is_greedy, final, drawn)
+    out[:, :K] = torch.where(pos[None, :] < n_acc[:, None], x, -1)
+    out.scatter_(1, n_acc[:, None], final[:, None])
+    return out, n_acc

@@ -51,6 +51,7 @@ class Speculator:
             tokens = seq.token_ids
             requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=tokens[seq.spec_sent:],
                                            num_tokens=len(tokens), k=k, full_history=full,
+                                           num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed))
             entries.append(e)
             seq.spec_sent = len(tokens)
@@ -110,22 +111,22 @@ class Speculator:
         sampled = [e for e in batch if e.num_logits]
         num_draft = [len(e.draft_token_ids) for e in sampled]
         params = [e.seq.params for e in sampled]
-        row_params = [p for p, n in zip(params, num_draft) for _ in range(n + 1)]
-        probs = apply_sampling_filters(logits, row_params)
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and self.config.rejection_sample_method != "synthetic":  # argmax of the raw logits decides; no distribution, no randomness
+            probs, uniforms, noise = logits, None, None
+        else:
+            row_params = [p for p, n in zip(params, num_draft) for _ in range(n + 1)]
+            probs = apply_sampling_filters(logits, row_params)
+            uniforms, noise = self._randomness(sampled, num_draft)
         draft_ids = torch.tensor([t for e in sampled for t in e.draft_token_ids], dtype=torch.long,
                                  device=self.device)
         q_ids, q_probs = self._sparse_q(sampled, num_draft)
-        uniforms, noise = self._randomness(sampled, num_draft)
         out, num_accepted, _ = rejection_sample(
-            target_probs=probs,
+            probs, draft_ids, torch.tensor(num_draft, dtype=torch.long, device=self.device), q_ids, q_probs,
+            torch.tensor([p.greedy for p in params], device=self.device), uniforms, noise,
             target_logits=logits,
-            draft_token_ids=draft_ids,
-            num_draft=torch.tensor(num_draft, dtype=torch.long, device=self.device),
-            draft_q_ids=q_ids,
-            draft_q_probs=q_probs,
-            is_greedy=torch.tensor([p.greedy for p in params], device=self.device),
-            uniforms=uniforms,
-            noise=noise,
+            max_num_draft=max(num_draft),
+            all_greedy=all_greedy,
             mode=self.config.rejection_sample_method,
             posterior_threshold=self.config.posterior_threshold,
             posterior_alpha=self.config.posterior_alpha,
@@ -160,7 +161,8 @@ class Speculator:
         noise = torch.ones(len(sampled), self.vocab_size, device=self.device)
         row = 0
         for i, (e, n) in enumerate(zip(sampled, num_draft)):
-            if not e.seq.params.greedy:
+            synthetic = self.config.rejection_sample_method == "synthetic"  # accepts greedy rows by chance too
+            if not e.seq.params.greedy or synthetic:
                 gen = e.seq.generator or self.default_generator
                 uniforms[row: row + n].uniform_(generator=gen)
                 noise[i].exponential_(generator=gen)

@@ -22,6 +22,7 @@ class ProposeRequest:
     full_history: bool = False  # first contact, resync, or a rollback of committed history
     temperature: float = 0.0  # drafter-side sampling (draft_model only)
     seed: int | None = None
+    num_prompt_tokens: int | None = None  # optional; suffix caches the tokens after the prompt
 
 
 @dataclass
@@ -53,7 +54,7 @@ def register(name: str):
 class TokenHistories:
     """Committed token history per sequence, with resync detection and TTL release."""
 
-    def __init__(self, ttl_seconds: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_seconds: float | None = 600.0, clock: Callable[[], float] = time.monotonic):
         self.ttl, self.clock = ttl_seconds, clock
         self.tokens: dict[int, list[int]] = {}
         self.touched: dict[int, float] = {}
@@ -79,6 +80,18 @@ class TokenHistories:
             self.tokens.pop(sid, None)
             self.touched.pop(sid, None)
 
-    def expired(self) -> list[int]:
-        now = self.clock()
+    def expired(self, now: float | None = None) -> list[int]:
+        """Sequences not touched for more than ttl seconds (None ttl: never expire)."""
+        if self.ttl is None:
+            return []
+        now = self.clock() if now is None else now
         return [sid for sid, t in self.touched.items() if now - t > self.ttl]
+
+
+def release_expired(proposer, histories: TokenHistories, now: float | None = None) -> list[int]:
+    """TTL release: release (through the proposer, so its own state goes too) every
+    sequence whose history was not touched for more than histories.ttl seconds."""
+    expired = histories.expired(now)
+    if expired:
+        proposer.release(expired)
+    return expired

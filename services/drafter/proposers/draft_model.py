@@ -26,6 +26,10 @@ from specd.sampling import SamplingParams
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+def _draft_seed(seed: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+
+
 class DraftModelProposer:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
@@ -115,7 +119,9 @@ class DraftModelProposer:
                 self.blocks.free(seq)
             seq = Sequence(req.new_tokens, _GREEDY, seq_id=req.seq_id)
             if req.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+                # A stream of its own: drafts drawn from the verifier's stream (same seed)
+                # would be correlated with the acceptance uniforms, which breaks exactness.
+                seq.generator = torch.Generator(device=self.device).manual_seed(_draft_seed(req.seed))
             self.seqs[req.seq_id] = seq
         elif seq is None or len(seq) + len(req.new_tokens) != req.num_tokens:
             self.release([req.seq_id])

@@ -1,71 +1,113 @@
 """ngram proposer (prompt lookup): continue the longest suffix n-gram seen earlier.
 
-For n from prompt_lookup_max down to prompt_lookup_min, the last n committed tokens
-are looked up among earlier n-grams of the same sequence; the tokens that followed
-the match are the drafts. Among several earlier occurrences the most recent one is
-used (the nearest context is the best predictor in generated code and text).
-An incremental index (n-gram → end of its latest occurrence) makes each step
-O(prompt_lookup_max) instead of a scan of the whole history.
+Semantics follow vLLM's NgramProposer (vllm/v1/spec_decode/ngram_proposer.py,
+`_find_longest_matched_ngram_and_propose_tokens`, and its earlier KMP version
+`_find_subarray_kmp`): the last n committed tokens, for n from prompt_lookup_max down to
+prompt_lookup_min, are looked up among the *earlier* n-grams of the same sequence (the
+suffix itself does not count, an overlapping earlier occurrence does). The longest n with
+a match wins; among several occurrences of that n-gram the **earliest** one is used (vLLM
+keeps the first match); the drafts are the up-to-k tokens that followed it, cut at the end
+of the context. Defaults as vLLM's SpeculativeConfig: neither key given → 5/5, one given →
+the other equals it.
+
+Instead of vLLM's scan of the whole context every step, each sequence keeps an index
+n-gram → end position of its first occurrence that has a successor. Each committed token
+adds (max - min + 1) entries, each step is max - min + 1 dict lookups: O(max^2) per token,
+independent of the context length.
 """
 from __future__ import annotations
 
-from specd.drafter.proposers.base import Proposal, ProposeRequest, TokenHistories, register
+import time
+from typing import Callable
 
-DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
+from specd.drafter.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+
+VLLM_DEFAULT_LOOKUP = 5  # vLLM: "arbitrarily chosen"; both keys default to 5
+
+
+def resolve_lookup(prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> tuple[int, int]:
+    lo, hi = prompt_lookup_min, prompt_lookup_max
+    if lo is None and hi is None:
+        lo = hi = VLLM_DEFAULT_LOOKUP
+    elif lo is None:
+        lo = hi
+    elif hi is None:
+        hi = lo
+    if lo < 1 or hi < 1:
+        raise ValueError(f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) must be >= 1")
+    if lo > hi:
+        raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    return lo, hi
+
+
+class _NgramIndex:
+    """n-gram (as a tuple) → end index of its first occurrence that is followed by a token."""
+
+    __slots__ = ("min_n", "max_n", "first_end", "indexed")
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.first_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at positions < indexed are in first_end
+
+    def extend(self, tokens: list[int]) -> None:
+        # An n-gram ending at `end` has a successor once len(tokens) > end + 1.
+        first_end = self.first_end
+        for end in range(self.indexed, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                first_end.setdefault(tuple(tokens[end - n + 1: end + 1]), end)
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            end = self.first_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1: end + 1 + k]
+        return []
 
 
 @register("ngram")
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int = 4, prompt_lookup_min: int | None = None,
-                 prompt_lookup_max: int | None = None, ttl_seconds: float = 600.0, **_ignored):
-        self.k = num_speculative_tokens
-        self.max_n = prompt_lookup_max or max(prompt_lookup_min or 0, DEFAULT_LOOKUP_MAX)
-        self.min_n = prompt_lookup_min or min(DEFAULT_LOOKUP_MIN, self.max_n)
-        if self.min_n > self.max_n:
-            raise ValueError(f"prompt_lookup_min ({self.min_n}) must be <= prompt_lookup_max ({self.max_n})")
-        self.histories = TokenHistories(ttl_seconds)
-        self.indexed: dict[int, int] = {}  # seq_id -> tokens already indexed
-        self.index: dict[int, dict[tuple, int]] = {}
+                 prompt_lookup_max: int | None = None, ttl_seconds: float | None = 600.0,
+                 clock: Callable[[], float] = time.monotonic, **other_methods_keys):
+        unknown = [key for key in other_methods_keys if not key.startswith("suffix_decoding_")]
+        if unknown:  # a shared SpeculativeConfig passes every method's keys; anything else is a typo
+            raise TypeError(f"unknown option(s) for the ngram proposer: {', '.join(sorted(unknown))}")
+        self.k = num_speculative_tokens  # the most drafts per step (a request's k is capped by it)
+        self.min_n, self.max_n = resolve_lookup(prompt_lookup_min, prompt_lookup_max)
+        self.histories = TokenHistories(ttl_seconds, clock)
+        self.index: dict[int, _NgramIndex] = {}
 
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        self.release_expired()
         out = []
         for req in batch:
+            held = self.histories.tokens.get(req.seq_id)
             tokens = self.histories.sync(req)
             if tokens is None:
-                self._drop(req.seq_id)
+                self.index.pop(req.seq_id, None)
                 out.append(Proposal(req.seq_id, [], resync=True))
                 continue
-            if req.full_history:
-                self._drop(req.seq_id)
-            self._extend_index(req.seq_id, tokens)
-            out.append(Proposal(req.seq_id, self._lookup(req.seq_id, tokens, min(req.k, self.k))))
+            index = self.index.get(req.seq_id)
+            if req.full_history and not _extends(tokens, held):
+                index = None  # first contact, or committed history rolled back / replaced: rebuild
+            if index is None:
+                index = self.index[req.seq_id] = _NgramIndex(self.min_n, self.max_n)
+            index.extend(tokens)
+            k = min(req.k, self.k)
+            out.append(Proposal(req.seq_id, index.lookup(tokens, k) if k > 0 else []))
         return out
-
-    def _extend_index(self, seq_id: int, tokens: list[int]) -> None:
-        # Index every n-gram that has a successor: those ending at positions < len - 1.
-        index = self.index.setdefault(seq_id, {})
-        start = self.indexed.get(seq_id, 0)
-        for end in range(start, len(tokens) - 1):
-            for n in range(self.min_n, self.max_n + 1):
-                if end - n + 1 >= 0:
-                    index[tuple(tokens[end - n + 1: end + 1])] = end
-        self.indexed[seq_id] = max(start, len(tokens) - 1)
-
-    def _lookup(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        index = self.index[seq_id]
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            end = index.get(tuple(tokens[-n:]))
-            if end is not None:
-                return tokens[end + 1: end + 1 + k]
-        return []
-
-    def _drop(self, seq_id: int) -> None:
-        self.index.pop(seq_id, None)
-        self.indexed.pop(seq_id, None)
 
     def release(self, seq_ids: list[int]) -> None:
         self.histories.release(seq_ids)
         for sid in seq_ids:
-            self._drop(sid)
+            self.index.pop(sid, None)
+
+    def release_expired(self, now: float | None = None) -> list[int]:
+        return release_expired(self, self.histories, now)
+
+
+def _extends(tokens: list[int], held: list[int] | None) -> bool:
+    """tokens is held plus (maybe) more: a full-history resend that needs no rebuild."""
+    return held is not None and len(held) <= len(tokens) and tokens[: len(held)] == held

@@ -1,0 +1,220 @@
+"""suffix proposer (SuffixDecoding, Oliaro et al. 2024; vLLM method "suffix", which wraps
+Arctic Inference's SuffixDecodingCache).
+
+Two kinds of suffix trie, both bounded by suffix_decoding_max_tree_depth (D): every suffix
+of a sequence is inserted up to D tokens, so a node's count is the number of occurrences
+of the token string on its path.
+  - one per active request, over its prompt and output, extended as tokens are committed;
+  - one global trie over the outputs ("responses") of the most recent
+    suffix_decoding_max_cached_requests finished requests, evicted FIFO (0 disables it).
+    A request's response enters it when the request is released (explicitly or by TTL).
+
+One step, as Arctic's SuffixTree::speculate / _speculate_path:
+  for each match length m = 1, 2, ... (m < len(context), context = the last D tokens)
+  whose m-token suffix is in the trie, draft greedily from the matched node: follow the
+  child with the highest count while the path probability (the product of
+  child.count / node.count along the path) stays >= suffix_decoding_min_token_prob, for at
+  most min(k, int(m * suffix_decoding_max_spec_factor)) tokens (and the trie depth
+  bounds m + drafts <= D). The draft's score is the sum of its path probabilities
+  (the expected number of accepted tokens); the best-scoring draft wins (the shorter match on
+  ties), and between the request's own trie and the global one the request's wins ties.
+Ties between children of equal count go to the most recently seen one (Arctic leaves
+them to hash order). Drafts are deterministic, so q is one-hot and only ids travel.
+
+Differences from Arctic, on purpose: a response enters the global cache when its request
+ends rather than token by token (nothing of a live request is in the global trie, so a
+rollback never has to touch it), and we have no prompt/response boundary on the wire
+unless the caller sends num_prompt_tokens: without it the prompt is taken to be the
+history of the first contact.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from specd.drafter.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+
+
+class _Node:
+    __slots__ = ("count", "last", "children")
+
+    def __init__(self):
+        self.count = 0     # occurrences of the path's token string
+        self.last = 0      # tick of the latest occurrence (tie-break between equal counts)
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """All suffixes of one or more token sequences, each cut at max_depth tokens."""
+
+    def __init__(self, max_depth: int):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.tick = 0
+
+    def extend(self, open_nodes: list[_Node], tokens: list[int]) -> list[_Node]:
+        """Append tokens to a sequence whose still-growing suffixes end at open_nodes
+        (oldest first, at most max_depth - 1 of them); returns the new open nodes."""
+        keep = self.max_depth - 1
+        for tok in tokens:
+            self.tick += 1
+            self.root.count += 1
+            grown = []
+            for node in open_nodes + [self.root]:
+                child = node.children.get(tok)
+                if child is None:
+                    child = node.children[tok] = _Node()
+                child.count += 1
+                child.last = self.tick
+                grown.append(child)
+            open_nodes = grown[-keep:] if keep else []
+        return open_nodes
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take one sequence previously added with extend() out again."""
+        for start in range(len(tokens)):
+            self.root.count -= 1
+            node = self.root
+            for tok in tokens[start: start + self.max_depth]:
+                child = node.children[tok]
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[tok]  # nothing else passes through: drop the subtree
+                    break
+                node = child
+
+    def match(self, pattern: list[int]) -> _Node | None:
+        node = self.root
+        for tok in pattern:
+            node = node.children.get(tok)
+            if node is None:
+                return None
+        return node
+
+    def speculate(self, context: list[int], max_spec_tokens: int, max_spec_factor: float,
+                  min_token_prob: float) -> tuple[list[int], float, int]:
+        """(draft, score, match_len) of the best-scoring match of a suffix of context."""
+        context = context[-self.max_depth:]
+        best: tuple[list[int], float, int] = ([], 0.0, 0)
+        for match_len in range(1, len(context)):
+            node = self.match(context[len(context) - match_len:])
+            if node is None:
+                break  # the trie holds every substring of its sequences: longer ones miss too
+            limit = min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6))
+            draft, score = self._follow(node, limit, min_token_prob)
+            if score > best[1]:
+                best = (draft, score, match_len)
+        return best
+
+    @staticmethod
+    def _follow(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], float]:
+        draft, score, prob = [], 0.0, 1.0
+        while len(draft) < limit and node.children:
+            tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
+            prob *= child.count / node.count
+            if prob < min_token_prob:
+                break
+            draft.append(tok)
+            score += prob
+            node = child
+        return draft, score
+
+
+class _Request:
+    __slots__ = ("trie", "open", "length", "prompt_len")
+
+    def __init__(self, max_depth: int, prompt_len: int):
+        self.trie = SuffixTrie(max_depth)
+        self.open: list[_Node] = []
+        self.length = 0  # tokens in the trie
+        self.prompt_len = prompt_len
+
+
+@register("suffix")
+class SuffixProposer:
+    def __init__(self, num_speculative_tokens: int = 4, suffix_decoding_max_tree_depth: int = 24,
+                 suffix_decoding_max_cached_requests: int = 10000, suffix_decoding_max_spec_factor: float = 1.0,
+                 suffix_decoding_min_token_prob: float = 0.1, ttl_seconds: float | None = 600.0,
+                 clock: Callable[[], float] = time.monotonic, **other_methods_keys):
+        unknown = [key for key in other_methods_keys if not key.startswith("prompt_lookup_")]
+        if unknown:  # a shared SpeculativeConfig passes every method's keys; anything else is a typo
+            raise TypeError(f"unknown option(s) for the suffix proposer: {', '.join(sorted(unknown))}")
+        if suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be > 0")
+        if not 0 <= suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+        self.k = num_speculative_tokens  # the most drafts per step (a request's k is capped by it)
+        self.max_depth = suffix_decoding_max_tree_depth
+        self.max_cached = suffix_decoding_max_cached_requests  # 0: no global cache; < 0: unbounded
+        self.max_spec_factor = suffix_decoding_max_spec_factor
+        self.min_token_prob = suffix_decoding_min_token_prob
+        self.histories = TokenHistories(ttl_seconds, clock)
+        self.requests: dict[int, _Request] = {}
+        self.global_trie = SuffixTrie(self.max_depth)
+        self.cached: OrderedDict[int, list[int]] = OrderedDict()  # FIFO of cached responses
+        self._next_cache_id = 0
+
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        self.release_expired()
+        out = []
+        for req in batch:
+            held = self.histories.tokens.get(req.seq_id)
+            tokens = self.histories.sync(req)
+            if tokens is None:
+                self.requests.pop(req.seq_id, None)  # out of sync: rebuilt from the full history
+                out.append(Proposal(req.seq_id, [], resync=True))
+                continue
+            state = self._sync_trie(req, tokens, held)
+            k = min(req.k, self.k)
+            out.append(Proposal(req.seq_id, self._draft(state, tokens, k) if k > 0 else []))
+        return out
+
+    def _sync_trie(self, req: ProposeRequest, tokens: list[int], held: list[int] | None) -> _Request:
+        state = self.requests.get(req.seq_id)
+        if req.full_history and not (held is not None and len(held) <= len(tokens) and tokens[: len(held)] == held):
+            # first contact, or committed history rolled back / replaced: rebuild
+            prompt_len = state.prompt_len if state is not None else len(tokens)
+            state = None
+            self.requests.pop(req.seq_id, None)
+        if state is None:
+            prompt_len = req.num_prompt_tokens if req.num_prompt_tokens is not None else prompt_len
+            state = self.requests[req.seq_id] = _Request(self.max_depth, min(prompt_len, len(tokens)))
+        elif req.num_prompt_tokens is not None:
+            state.prompt_len = req.num_prompt_tokens
+        state.open = state.trie.extend(state.open, tokens[state.length:])
+        state.length = len(tokens)
+        return state
+
+    def _draft(self, state: _Request, tokens: list[int], k: int) -> list[int]:
+        args = (tokens, k, self.max_spec_factor, self.min_token_prob)
+        own, own_score, _ = state.trie.speculate(*args)
+        if not self.cached:
+            return own
+        other, other_score, _ = self.global_trie.speculate(*args)
+        return own if own_score >= other_score else other
+
+    def release(self, seq_ids: list[int]) -> None:
+        """The requests ended: their responses move into the global cache."""
+        for sid in seq_ids:
+            tokens = self.histories.tokens.get(sid)
+            state = self.requests.pop(sid, None)
+            if state is not None and tokens is not None:
+                self._cache(tokens[state.prompt_len:])
+        self.histories.release(seq_ids)
+
+    def release_expired(self, now: float | None = None) -> list[int]:
+        return release_expired(self, self.histories, now)
+
+    def _cache(self, response: list[int]) -> None:
+        if self.max_cached == 0 or not response:
+            return
+        response = list(response)
+        self.global_trie.extend([], response)
+        self.cached[self._next_cache_id] = response
+        self._next_cache_id += 1
+        while 0 < self.max_cached < len(self.cached):
+            _, oldest = self.cached.popitem(last=False)
+            self.global_trie.remove(oldest)

@@ -1,0 +1,169 @@
+"""Speculative decoding in the engine: lossless for every method.
+
+Greedy: token-identical to plain decoding and to transformers `generate`, including
+prompts that end near max_model_len and stop tokens inside accepted drafts.
+Sampling: seeded requests reproduce whatever the batch, and the emitted tokens follow
+the target-only distribution (chi-square against the exact marginal).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specd import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+def _perturbed_copy(src: str, dst, std: float, seed: int = 0) -> str:
+    """A drafter that agrees with the target often but not always: its weights plus noise."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(std * torch.randn_like(p))
+    model.save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs) -> str:
+    return model_dirs["llama3"]
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory) -> str:
+    return _perturbed_copy(target, tmp_path_factory.mktemp("drafter"), std=0.03)
+
+
+def _methods(target: str, drafter: str) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4},
+        "draft_model_self": {"method": "draft_model", "model": target, "num_speculative_tokens": 4},
+        "draft_model_sampled": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3,
+                                "draft_sample_method": "sampled", "draft_top_k": 4},
+    }
+
+
+def _repetitive_prompts(make_prompts, n: int, seed: int) -> list[list[int]]:
+    # Repeated segments so prompt lookup has something to find.
+    return [p * (1 + i % 3) for i, p in enumerate(make_prompts(n, seed=seed, max_len=30))]
+
+
+METHODS = ["ngram", "draft_model", "draft_model_self", "draft_model_sampled"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_to_plain_and_transformers(method, target, drafter, get_llm, make_prompts, hf_greedy):
+    prompts = _repetitive_prompts(make_prompts, 16, seed=5)
+    plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
+    spec_llm = get_llm(target, fresh=True, speculative_config=_methods(target, drafter)[method])
+    outs = spec_llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    for p, o in zip(prompts[:6], outs):
+        assert o.token_ids == hf_greedy(target, p, 24)
+    total = sum(o.spec["draft_tokens"] for o in outs)
+    accepted = sum(o.spec["accepted_tokens"] for o in outs)
+    assert total > 0, "speculation never drafted: the test would prove nothing"
+    if method == "draft_model_self":
+        assert accepted == total  # the target drafting for itself is always right
+    blocks = spec_llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_total_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_prompts_ending_near_max_model_len(method, target, drafter, get_llm, make_prompts):
+    lengths = [40, 50, 55, 58, 59, 60, 61, 62]
+    prompts = [p * 2 for p in make_prompts(len(lengths), seed=9, lengths=[n // 2 for n in lengths])]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = get_llm(target, max_model_len=64).generate(prompts, params)
+    spec = get_llm(target, fresh=True, max_model_len=64,
+                   speculative_config=_methods(target, drafter)[method]).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for p, o in zip(prompts, spec):
+        assert len(p) + len(o.token_ids) <= 64 and o.finish_reason == "length"
+
+
+def test_stop_token_inside_accepted_drafts_and_max_tokens(target, get_llm, make_prompts):
+    prompts = make_prompts(8, seed=11, max_len=20)
+    ref = get_llm(target).generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    llm = get_llm(target, fresh=True, speculative_config={"method": "draft_model", "model": target,
+                                                          "num_speculative_tokens": 4, "adaptive": False})
+    for p, r in zip(prompts, ref):
+        stop_at = r.token_ids.index(r.token_ids[3])  # first occurrence of the token at index 3
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[r.token_ids[3]])
+        (out,) = llm.generate([p], params)
+        # Every draft is accepted (self-drafting) and 5 tokens commit per step, so the
+        # stop token arrives as an accepted draft in the middle of a step.
+        assert out.token_ids == r.token_ids[: stop_at + 1] and out.finish_reason == "stop"
+    for max_tokens in (1, 2, 3, 7):
+        (out,) = llm.generate([prompts[0]], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        assert out.token_ids == ref[0].token_ids[:max_tokens] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled"])
+def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target, drafter, get_llm, make_prompts):
+    cfg = _methods(target, drafter)[method]
+    prompts = _repetitive_prompts(make_prompts, 9, seed=13)
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=1234, ignore_eos=True)
+    alone = get_llm(target, fresh=True, speculative_config=cfg).generate([prompts[0]], seeded)[0]
+    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=None if i % 2 else 7 + i, ignore_eos=True)
+              for i in range(8)]
+    batch = get_llm(target, fresh=True, speculative_config=cfg).generate(prompts, [seeded] + others)
+    assert batch[0].token_ids == alone.token_ids
+    assert alone.spec["draft_tokens"] > 0
+
+
+def _tiny_vocab_pair(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    target = tmp_path_factory.mktemp("tiny16_target")
+    model.save_pretrained(target)
+    drafter = _perturbed_copy(str(target), tmp_path_factory.mktemp("tiny16_drafter"), std=0.2)
+    return str(target), drafter, model.eval()
+
+
+def _exact_second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
+    """P(token 2) = Σ_t1 p(t1 | prompt) p(t2 | prompt, t1), from transformers' forward."""
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        ctx = torch.tensor([prompt + [t] for t in range(16)])
+        p2 = model(ctx).logits[:, -1].softmax(-1)  # [16, 16]
+    return (p1[:, None] * p2).sum(0)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled"])
+def test_end_to_end_samples_follow_the_target_distribution(method, tmp_path_factory, get_llm):
+    target, drafter, hf_model = _tiny_vocab_pair(tmp_path_factory)
+    prompt = [1, 5, 7, 9, 5, 7, 9, 5, 7]  # repetitive: prompt lookup drafts at the decode step
+    cfg = ({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "adaptive": False}
+           if method == "ngram" else
+           {"method": "draft_model", "model": drafter, "num_speculative_tokens": 1, "adaptive": False,
+            "draft_sample_method": "sampled", "draft_top_k": 4})
+    n = 12_000
+    llm = get_llm(target, fresh=True, max_num_seqs=1024, speculative_config=cfg)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+                                       for i in range(n)])
+    assert sum(o.spec["draft_tokens"] for o in outs) > n // 5  # enough speculated steps to matter
+    second = torch.tensor([o.token_ids[1] for o in outs])
+    expected = _exact_second_token_marginal(hf_model, prompt).double() * n
+    counts = torch.bincount(second, minlength=16).double()
+    keep = expected > 5  # chi-square needs enough expected counts per bin; pool the rest
+    stat = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    rest_e, rest_c = expected[~keep].sum(), counts[~keep].sum()
+    if rest_e > 0:
+        stat += (rest_c - rest_e) ** 2 / rest_e
+    df = int(keep.sum()) + (1 if rest_e > 0 else 0) - 1
+    a = 2.0 / (9.0 * df)
+    critical = df * (1 - a + 4.753 * math.sqrt(a)) ** 3  # upper 1e-6 quantile (Wilson–Hilferty)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f} with {df} df"

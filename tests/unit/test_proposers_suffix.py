@@ -1,0 +1,168 @@
+"""suffix (SuffixDecoding) proposer: own-history and global-cache drafts, match-bounded
+speculation length, min_token_prob, tree depth, FIFO cache eviction."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specd.drafter.proposers.base import ProposeRequest
+from specd.drafter.proposers.suffix import SuffixProposer, SuffixTrie
+
+
+def full(seq_id: int, tokens: list[int], k: int, **kw) -> ProposeRequest:
+    return ProposeRequest(seq_id, list(tokens), len(tokens), k, full_history=True, **kw)
+
+
+def make(**keys) -> SuffixProposer:
+    keys.setdefault("num_speculative_tokens", 16)
+    return SuffixProposer(**keys)
+
+
+def draft(p: SuffixProposer, seq_id: int, tokens: list[int], k: int = 8) -> list[int]:
+    (prop,) = p.propose([full(seq_id, tokens, k)])
+    assert not prop.resync and prop.q_ids is None
+    return prop.token_ids
+
+
+def finish(p: SuffixProposer, seq_id: int, prompt: list[int], response: list[int]) -> None:
+    """A whole request: first contact with the prompt, the response committed token by token, release."""
+    p.propose([full(seq_id, prompt, 0)])
+    n = len(prompt)
+    for tok in response:
+        n += 1
+        p.propose([ProposeRequest(seq_id, [tok], n, 0)])
+    p.release([seq_id])
+
+
+def test_repeated_pattern_from_own_history():
+    p = make()
+    body = [10, 11, 12, 13, 14, 15]
+    # "10 11 12" seen once before, followed by 13 14 15: match length 3 allows 3 drafts
+    assert draft(p, 1, body + [99, 10, 11, 12]) == [13, 14, 15]
+    # committed tokens extend the request's trie incrementally
+    (prop,) = p.propose([ProposeRequest(1, [13], 11, 8)])
+    assert prop.token_ids == [14, 15, 99, 10]
+
+
+def test_drafts_from_global_cache_of_previous_request():
+    p = make()
+    finish(p, 1, prompt=[1, 2, 3], response=[50, 51, 52, 53, 54, 55, 56])
+    assert 1 not in p.requests and len(p.cached) == 1
+    # a different request whose output starts like the cached response
+    assert draft(p, 2, [7, 8, 9, 50, 51, 52]) == [53, 54, 55]
+    # the cache holds responses only: the previous prompt does not leak in
+    assert draft(p, 3, [40, 41, 1, 2]) == []
+
+
+def test_global_cache_disabled_and_fifo_eviction():
+    p = make(suffix_decoding_max_cached_requests=0)
+    finish(p, 1, [1, 2, 3], [50, 51, 52, 53])
+    assert draft(p, 2, [9, 50, 51]) == []
+
+    p = make(suffix_decoding_max_cached_requests=1)
+    finish(p, 1, [1], [50, 51, 52, 53])
+    assert draft(p, 2, [9, 50, 51]) == [52, 53]
+    p.release([2])
+    finish(p, 3, [1], [60, 61, 62, 63])  # evicts request 1's response
+    assert draft(p, 4, [9, 50, 51]) == []
+    assert draft(p, 5, [9, 60, 61]) == [62, 63]
+    # eviction removed every trace of the evicted response from the global trie
+    assert all(tok in (60, 61, 62, 63, 9) for tok in p.global_trie.root.children)
+
+
+def test_speculation_length_bounded_by_match_length():
+    responses = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    for factor, context, expected in [
+        (1.0, [100, 3], [4]),            # match "3": 1 token
+        (1.0, [100, 2, 3], [4, 5]),      # match "2 3": 2 tokens
+        (1.0, [100, 1, 2, 3], [4, 5, 6]),
+        (2.0, [100, 3], [4, 5]),         # max_spec_factor 2: twice the match length
+        (0.5, [100, 2, 3], [4]),
+    ]:
+        p = make(suffix_decoding_max_spec_factor=factor)
+        for i, r in enumerate(responses):
+            finish(p, 1000 + i, [0], r)
+        assert draft(p, 1, context, k=8) == expected, (factor, context)
+    # and k still caps it
+    p = make(suffix_decoding_max_spec_factor=4.0)
+    finish(p, 1000, [0], responses[0])
+    assert draft(p, 1, [100, 1, 2, 3], k=2) == [4, 5]
+
+
+def test_min_token_prob_stops_low_probability_continuations():
+    # After "5 6" the cache saw 7 three times and 8 once; after "5 6 7", 1 twice and 2 once.
+    responses = [[5, 6, 7, 1], [5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 8]]
+
+    def run(min_prob: float) -> list[int]:
+        p = make(suffix_decoding_min_token_prob=min_prob, suffix_decoding_max_spec_factor=4.0)
+        for i, r in enumerate(responses):
+            finish(p, 1000 + i, [0], r)
+        return draft(p, 1, [100, 5, 6], k=8)
+
+    assert run(0.1) == [7, 1]    # P(7) = 3/4, P(7 1) = 3/4 * 2/3 = 1/2
+    assert run(0.6) == [7]       # 1/2 < 0.6: stop after 7
+    assert run(0.8) == []        # 3/4 < 0.8: nothing is likely enough
+    assert run(0.0) == [7, 1]    # the path ends with the data
+
+
+def test_max_tree_depth_bounds_match_plus_drafts():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    long = draft(make(suffix_decoding_max_spec_factor=16.0), 1, tokens, k=16)
+    assert long == [4, 5, 6, 7, 8, 9, 1, 2, 3]
+    for depth in (2, 3, 4, 6):
+        got = draft(make(suffix_decoding_max_tree_depth=depth, suffix_decoding_max_spec_factor=16.0), 1,
+                    tokens, k=16)
+        assert got == long[: depth - 1], depth  # match >= 1 token, so at most depth - 1 drafts
+
+
+def test_rollback_rebuilds_the_request_trie():
+    p = make(suffix_decoding_min_token_prob=0.0)
+    assert draft(p, 1, [1, 2, 8, 8, 1, 2]) == [8, 8]
+    # the caller rolls committed history back and resends it: 8 8 must be forgotten
+    assert draft(p, 1, [1, 2, 7, 1, 2]) == [7, 1]
+    (prop,) = p.propose([ProposeRequest(1, [7], 6, 8)])
+    assert prop.token_ids == [1, 2, 7]
+
+
+def test_num_prompt_tokens_marks_what_is_cached():
+    p = make()
+    p.propose([full(1, [30, 31, 32, 33, 34], 0, num_prompt_tokens=2)])
+    p.release([1])  # response = 32 33 34
+    assert draft(p, 2, [9, 32, 33]) == [34]
+    assert draft(p, 3, [9, 30]) == []
+
+
+def test_trie_counts_match_occurrences_and_remove_restores_it():
+    rng = random.Random(0)
+    depth = 5
+    trie = SuffixTrie(depth)
+    seqs = [[rng.randrange(3) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    for s in seqs:
+        trie.extend([], s)
+
+    def occurrences(pattern):
+        return sum(1 for s in seqs for i in range(len(s) - len(pattern) + 1) if s[i: i + len(pattern)] == pattern)
+
+    def check():
+        assert trie.root.count == sum(len(s) for s in seqs)
+        stack = [(trie.root, [])]
+        while stack:
+            node, path = stack.pop()
+            assert len(path) <= depth
+            if path:
+                assert node.count == occurrences(path) > 0
+            stack.extend((c, path + [t]) for t, c in node.children.items())
+
+    check()
+    for _ in range(3):
+        trie.remove(seqs.pop(rng.randrange(len(seqs))))
+        check()
+
+
+def test_bad_options():
+    with pytest.raises(ValueError):
+        make(suffix_decoding_min_token_prob=1.5)
+    with pytest.raises(TypeError, match="suffix_decoding_max_depth"):
+        make(suffix_decoding_max_depth=3)
+    make(prompt_lookup_min=2)  # another method's key: accepted, unused
