@@ -41,6 +41,7 @@ def drafter(target, tmp_path_factory) -> str:
 def _methods(target: str, drafter: str) -> dict[str, dict]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 4},
         "draft_model": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4},
         "draft_model_self": {"method": "draft_model", "model": target, "num_speculative_tokens": 4},
         "draft_model_sampled": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3,
@@ -53,7 +54,7 @@ def _repetitive_prompts(make_prompts, n: int, seed: int) -> list[list[int]]:
     return [p * (1 + i % 3) for i, p in enumerate(make_prompts(n, seed=seed, max_len=30))]
 
 
-METHODS = ["ngram", "draft_model", "draft_model_self", "draft_model_sampled"]
+METHODS = ["ngram", "suffix", "draft_model", "draft_model_self", "draft_model_sampled"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -75,7 +76,7 @@ def test_greedy_identical_to_plain_and_transformers(method, target, drafter, get
     assert blocks.num_free_blocks == blocks.num_total_blocks
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_prompts_ending_near_max_model_len(method, target, drafter, get_llm, make_prompts):
     lengths = [40, 50, 55, 58, 59, 60, 61, 62]
     prompts = [p * 2 for p in make_prompts(len(lengths), seed=9, lengths=[n // 2 for n in lengths])]
@@ -105,7 +106,7 @@ def test_stop_token_inside_accepted_drafts_and_max_tokens(target, get_llm, make_
         assert out.token_ids == ref[0].token_ids[:max_tokens] and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model_sampled"])
 def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target, drafter, get_llm, make_prompts):
     cfg = _methods(target, drafter)[method]
     prompts = _repetitive_prompts(make_prompts, 9, seed=13)
