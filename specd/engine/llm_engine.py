@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +17,22 @@ from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+@dataclass
+class StepTimings:
+    """Where step time goes (benchmarks read it): proposing vs the target forward + accept."""
+
+    steps: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    forward_tokens: int = 0
+
+    def observe(self, propose_s: float, verify_s: float, tokens: int) -> None:
+        self.steps += 1
+        self.propose_s += propose_s
+        self.verify_s += verify_s
+        self.forward_tokens += tokens
+
 
 DEFAULT_CPU_KV_GB = 1.0
 DEFAULT_GPU_MEMORY_FRACTION = 0.85
@@ -45,6 +62,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self.speculator = self._make_speculator(speculative_config) if speculative_config else None
+        self.timings = StepTimings()
 
     def _make_speculator(self, spec: SpeculativeConfig):
         from specd.drafter.proposers.factory import make_proposer
@@ -129,14 +147,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        t0 = time.perf_counter()
         if self.speculator is not None:
             used = sum(e.num_new_tokens for e in batch)
             self.speculator.propose(batch, self.scheduler.max_num_batched_tokens - used)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         logits = self.runner.run(batch)
         new_tokens = self._accept(batch, logits)
+        t2 = time.perf_counter()
+        num_tokens = sum(e.num_new_tokens for e in batch)
         if self.speculator is not None:
-            self.speculator.controller.observe_verify(sum(e.num_new_tokens for e in batch), time.perf_counter() - t0)
+            self.speculator.controller.observe_verify(num_tokens, t2 - t1)
+        self.timings.observe(t1 - t0, t2 - t1, num_tokens)
         return self._emit(batch, logits, new_tokens)
 
     def _accept(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[list[int]]:
