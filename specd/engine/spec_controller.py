@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
-EXPLORE_EVERY = 16  # every n-th step drafts at full k, so α estimates stay fresh
+EXPLORE_EVERY = 8  # every n-th step one sequence drafts at full k, so α estimates stay fresh
 
 
 class LinearCost:
@@ -74,7 +74,7 @@ class SpecController:
         """
         self.steps += 1
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
-        if not self.adaptive or self.verify_cost.n < MIN_SAMPLES or self.steps % EXPLORE_EVERY == 0:
+        if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             return [f if f is not None else min(self.max_k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
         prior = self.global_acceptance.alpha(PRIOR_ALPHA)
         alphas = [self.per_seq.get(sid, _Acceptance()).alpha(prior) for sid, _, _ in seqs]
@@ -86,7 +86,14 @@ class SpecController:
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best_rate * 1.01:  # prefer the smaller k unless the larger one clearly pays
                 best_k, best_rate = k, rate
-        return [f if f is not None else min(best_k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
+        ks = [f if f is not None else min(best_k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
+        if self.steps % EXPLORE_EVERY == 0 and seqs:
+            # One sequence in turn drafts at full k, so acceptance estimates stay fresh
+            # when speculation is off, at the cost of a few extra tokens in one step.
+            i = (self.steps // EXPLORE_EVERY) % len(seqs)
+            if fixed[i] is None:
+                ks[i] = min(self.max_k, seqs[i][1])
+        return ks
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)
