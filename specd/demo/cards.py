@@ -67,7 +67,7 @@ def _common(r: dict, role: str) -> list[str]:
         f"(betas 0.9/0.95, weight decay 0.1), peak lr {t['lr']}, {t['warmup']} warmup steps then cosine to 10%, "
         f"grad clip 1.0. Wall time {t['wall_s'] / 60:.1f} min ({t['tokens_per_s']:,.0f} tokens/s); whole run "
         f"including the other model and evaluation {r['wall_s'] / 60:.1f} min.",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, device {m['device']}"
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch thread(s), device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
         f"tokenizers {m['tokenizers']}.",

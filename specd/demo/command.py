@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="models folder (default: $SPECD_MODELS_DIR or the repository's models/)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed for determinism)")
+    # Default 1, the committed run's setting: weights depend on the thread count, and on a
+    # shared 2-core machine 2 threads stall (7-11 s a step vs 2.2 s) whenever a neighbour runs.
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads; fixed for determinism (default 1, as the committed run)")
     parser.add_argument("--smoke", action="store_true",
                         help="with --retrain: tiny models, a corpus slice and a few steps (seconds)")
     parser.add_argument("--target-steps", type=int, default=None, help="override the target's step budget")

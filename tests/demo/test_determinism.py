@@ -1,0 +1,20 @@
+"""Retraining twice gives byte-identical weights and tokenizer (tiny smoke spec)."""
+
+from __future__ import annotations
+
+from specd.demo.models import DRAFTER_NAME, TARGET_NAME
+from specd.demo.pipeline import SMOKE, build_pair
+
+COMPARED = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json")
+
+
+def test_retrain_is_bit_identical(tmp_path, restore_torch_globals):
+    first = build_pair(SMOKE, tmp_path / "a", threads=1)
+    second = build_pair(SMOKE, tmp_path / "b", threads=1)
+    for name in (TARGET_NAME, DRAFTER_NAME):
+        for f in COMPARED:
+            a, b = (tmp_path / "a" / name / f).read_bytes(), (tmp_path / "b" / name / f).read_bytes()
+            assert a == b, f"{name}/{f} differs between two identical trainings"
+    assert first["eval"] == second["eval"]  # same numbers, only timings may differ
+    assert (tmp_path / "a" / "CHECKSUMS.sha256").is_file()
