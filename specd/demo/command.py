@@ -12,7 +12,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from specd.demo.models import DRAFTER_NAME, TARGET_NAME
+# Names only: importing specd.demo.models would pull in transformers (a dev extra) for
+# every `specd` command, since the CLI builds this subcommand's parser up front.
+from specd.demo_paths import DEMO_NAMES
+
+TARGET_NAME, DRAFTER_NAME = DEMO_NAMES["target"], DEMO_NAMES["drafter"]
 
 
 def default_models_dir() -> Path:
