@@ -20,6 +20,13 @@ from pathlib import Path
 
 # The CI machine is shared; one thread keeps timings stable and the suite polite.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton reads TRITON_INTERPRET when it is first imported, and transformers (used by the
+# demo and parity tests, which run before tests/kernels) imports it: so set it here,
+# before anything else, on machines without a GPU.
+import torch  # noqa: E402  (does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests never touch the network: a missing local path must fail fast, not try the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
