@@ -17,7 +17,7 @@ up: install
 	$(VENV)/bin/specd generate --threads $(THREADS) --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
 bench-engine: install
 	$(PY) bench/engine.py --threads $(THREADS)
