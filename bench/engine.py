@@ -22,15 +22,16 @@ Writes bench/results/engine.md (table + machine info) and engine.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -172,40 +173,6 @@ def timed(side, prompts, n, device) -> float:
     return time.perf_counter() - t
 
 
-def machine_info(args) -> dict:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:
-        tf_version = None
-    info = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "threads": args.threads,
-        "load_avg_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-        "device": args.device,
-        "dtype": args.dtype,
-    }
-    if args.device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -214,7 +181,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    info = machine_info(args)
+    info = machine_info(args.threads, args.device, args.dtype)
 
     with tempfile.TemporaryDirectory(prefix="specd-bench-") as tmp:
         model_dir = Path(args.model) if args.model else build_model(args, Path(tmp) / "model")

@@ -140,13 +140,6 @@ def cu_num_draft_of(num_draft: torch.Tensor) -> torch.Tensor:  # [B] -> [B + 1] 
     return torch.nn.functional.pad(torch.cumsum(num_draft, 0), (1, 0))
 
 
-def target_probs_from_logits(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """[N + B, V] raw logits and one SamplingParams per row → processed probabilities."""
-    from specd.engine.sampler import apply_sampling_filters
-
-    return apply_sampling_filters(logits, params)
-
-
 def to_token_lists(output_token_ids: torch.Tensor) -> list[list[int]]:
     """[B, max_num_draft + 1] -1 padded → the emitted tokens of each sequence (host side)."""
     return [[t for t in row if t >= 0] for row in output_token_ids.tolist()]

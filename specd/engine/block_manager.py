@@ -21,10 +21,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_total_blocks - len(self._free)
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

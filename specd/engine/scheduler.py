@@ -84,7 +84,6 @@ class Scheduler:
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

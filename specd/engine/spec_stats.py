@@ -26,16 +26,6 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats") -> None:
-        self.drafts += other.drafts
-        self.draft_tokens += other.draft_tokens
-        self.accepted_tokens += other.accepted_tokens
-        for i, n in enumerate(other.accepted_per_pos):
-            if i < len(self.accepted_per_pos):
-                self.accepted_per_pos[i] += n
-            else:
-                self.accepted_per_pos.append(n)
-
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
