@@ -12,9 +12,10 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -e ".[dev]"
 
-# Until the services exist (issue 5), `up` runs the engine offline on the bundled demo target.
+# The whole stack on this machine: gateway on :8000, verifier, a draft_model and an ngram
+# drafter, all on the bundled demo pair. Ctrl-C stops it.
 up: install
-	$(VENV)/bin/specd generate --threads $(THREADS) --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0
+	$(VENV)/bin/specd up
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests

@@ -85,7 +85,7 @@ def _run_generate(args) -> int:
     model = args.model or default_model()
     if model is None:
         raise ValueError("no --model given and the bundled demo model is missing (run `specd demo-models`)")
-    _set_threads(args.threads)
+    set_threads(args.threads)
     from specd.llm import LLM
 
     llm = LLM(model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -96,7 +96,7 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _set_threads(n: int | None) -> None:
+def set_threads(n: int | None) -> None:
     if n is None:
         return
     if n < 1:
@@ -113,10 +113,26 @@ def _add_demo_models(sub) -> None:
     command.add_arguments(p)
 
 
+# Service subcommands: each module has HELP, add_arguments(parser) and run(args) -> exit
+# code, and imports its heavy dependencies (torch, grpc) inside run().
+SERVICE_COMMANDS = {
+    "up": "specd.up",
+    "verifier": "specd.verifier.main",
+    "drafter": "specd.drafter.main",
+    "gateway": "specd.gateway.main",
+    "drafters": "specd.admin",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = _Parser(prog="specd", description="speculative decoding for LLM serving")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, module_name in SERVICE_COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=module.HELP))
     _add_generate(sub)
     _add_demo_models(sub)
     return parser
@@ -137,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             from specd.demo import command
 
             return command.run(args)
+        if args.command in SERVICE_COMMANDS:
+            import importlib
+
+            return importlib.import_module(SERVICE_COMMANDS[args.command]).run(args)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 — the CLI's contract: one line, never a traceback

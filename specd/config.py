@@ -49,7 +49,8 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram", "suffix", "draft_model"]
+    # None: proposals come from drafter services (the verifier's pool), not an in-process proposer.
+    method: Literal["ngram", "suffix", "draft_model"] | None = None
     model: str | None = None  # draft_model: local directory or hub id
     num_speculative_tokens: int = Field(default=4, ge=1, le=32)
     # ngram (prompt lookup)

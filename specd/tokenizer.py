@@ -35,3 +35,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def vocab_hash(self) -> str:
+        """sha256 of the token<->id table: equal hashes mean ids mean the same tokens."""
+        import hashlib
+
+        table = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: (kv[1], kv[0]))
+        return hashlib.sha256(json.dumps(table, ensure_ascii=False).encode()).hexdigest()
+
+
+def vocab_hash_of(model_dir: Path | str) -> str:
+    """The vocabulary hash of a model directory; "" when it has no tokenizer.json."""
+    tok = Tokenizer.from_dir(Path(model_dir))
+    return tok.vocab_hash() if tok is not None else ""

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP/SSE gateway (specd.gateway). Built in a later issue."""
+"""specd.gateway: the OpenAI-compatible HTTP/SSE front of a verifier (`specd gateway`)."""

@@ -40,7 +40,10 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, speculative_config: SpeculativeConfig | None = None):
+    def __init__(self, config: EngineConfig, speculative_config: SpeculativeConfig | None = None,
+                 proposer=None):
+        """proposer: where drafts come from (the verifier passes its drafter pool); default: an
+        in-process proposer built from speculative_config.method."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.arch = read_arch_config(self.model_dir)
@@ -61,14 +64,18 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
-        self.speculator = self._make_speculator(speculative_config) if speculative_config else None
+        self.speculator = self._make_speculator(speculative_config, proposer) if speculative_config else None
         self.timings = StepTimings()
 
-    def _make_speculator(self, spec: SpeculativeConfig):
+    def _make_speculator(self, spec: SpeculativeConfig, proposer):
         from specd.drafter.proposers.factory import make_proposer
         from specd.engine.speculator import Speculator
 
-        proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device)
+        if proposer is None:
+            if spec.method is None:
+                raise ValueError("speculative config needs 'method' (ngram, suffix or draft_model) "
+                                 "when no drafter service provides proposals")
+            proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device)
         return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len, self.block_manager,
                           self.device, self.sampler.default_generator)
 
@@ -105,6 +112,18 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
+        self.check_prompt(prompt_token_ids)
+        seq = Sequence(prompt_token_ids, params, seq_id)
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"request id {seq.seq_id} is already in use")
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, self.device)
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt this engine cannot run (reads constants only: thread-safe)."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -114,14 +133,6 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        seq = Sequence(prompt_token_ids, params, seq_id)
-        if seq.seq_id in self.sequences:
-            raise ValueError(f"request id {seq.seq_id} is already in use")
-        if params.seed is not None:
-            seq.generator = make_generator(params.seed, self.device)
-        self.sequences[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)

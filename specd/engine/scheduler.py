@@ -22,6 +22,7 @@ class ScheduledSeq:
     # Speculation fills these after scheduling: the forward then covers [last token, *drafts].
     draft_token_ids: list[int] = field(default_factory=list)
     draft_q: list | None = None  # sparse q per draft: (ids, probs); None = deterministic drafts
+    drafter: str | None = None  # who proposed the drafts (per-drafter acceptance counters)
 
 
 class Scheduler:

@@ -9,7 +9,9 @@ accept:  one batched rejection-sampling call over every sampled sequence (a sequ
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import defaultdict
 
 import torch
 
@@ -19,6 +21,7 @@ from specd.engine.sampler import apply_sampling_filters
 from specd.engine.scheduler import ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
+from specd.engine.spec_stats import SpecStats
 
 
 class Speculator:
@@ -30,6 +33,9 @@ class Speculator:
         self.default_generator = default_generator
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
+        # Counters per drafter (the in-process proposer counts as its method): the verifier
+        # exports them as Prometheus counters labelled by drafter.
+        self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
 
     # -- propose ---------------------------------------------------------------
     def propose(self, batch: list[ScheduledSeq], budget_left: int) -> None:
@@ -69,6 +75,7 @@ class Speculator:
             drafts, q = self._validated(p, req.k)
             if drafts and self.blocks.allocate(e.seq, e.seq.num_computed_tokens + 1 + len(drafts)):
                 e.draft_token_ids, e.draft_q = drafts, q
+                e.drafter = p.drafter or self.config.method
                 e.num_new_tokens = e.num_logits = 1 + len(drafts)
 
     def _fixed_k(self, seq: Sequence) -> int | None:
@@ -96,12 +103,19 @@ class Speculator:
                 break
             drafts.append(t)
         q = None
-        if p.q_ids is not None:
-            ok = (p.q_probs is not None and len(p.q_ids) >= len(drafts) and len(p.q_probs) >= len(drafts))
-            q = [(ids, probs) for ids, probs in zip(p.q_ids, p.q_probs or [])][: len(drafts)] if ok else None
-            if not ok or any(len(i) != len(pr) or not i for i, pr in q):
+        if p.q_ids:  # sampled drafts: the sparse q must be a distribution that contains the draft
+            ok = p.q_probs is not None and len(p.q_ids) >= len(drafts) and len(p.q_probs) >= len(drafts)
+            q = list(zip(p.q_ids, p.q_probs or []))[: len(drafts)] if ok else []
+            if not ok or not all(self._valid_q(t, ids, probs) for t, (ids, probs) in zip(drafts, q)):
                 return [], None
         return drafts, q
+
+    def _valid_q(self, draft: int, ids: list[int], probs: list[float]) -> bool:
+        if not ids or len(ids) != len(probs) or len(set(ids)) != len(ids):
+            return False
+        if not all(0 <= i < self.vocab_size for i in ids) or not all(math.isfinite(x) and x >= 0 for x in probs):
+            return False
+        return abs(sum(probs) - 1.0) < 1e-3 and probs[ids.index(draft)] > 0 if draft in ids else False
 
     # -- accept ----------------------------------------------------------------
     def accept(self, batch: list[ScheduledSeq], logits: torch.Tensor):
@@ -138,6 +152,8 @@ class Speculator:
             tokens.append(row[: n_acc + 1])
             self.controller.observe_accept(e.seq.seq_id, n, n_acc)
             e.seq.spec_stats.observe_draft(n, n_acc)
+            if n:
+                self.stats_by_drafter[e.drafter or self.config.method or "unknown"].observe_draft(n, n_acc)
         return tokens, num_accepted
 
     def _sparse_q(self, sampled, num_draft):

@@ -32,6 +32,7 @@ class Proposal:
     q_ids: list[list[int]] | None = None  # sparse q per position; None: deterministic (one-hot)
     q_probs: list[list[float]] | None = None
     resync: bool = False
+    drafter: str | None = None  # set by the verifier's drafter pool: which service answered
 
 
 class Proposer(Protocol):

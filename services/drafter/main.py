@@ -1,0 +1,96 @@
+"""`specd drafter`: host one proposer (draft_model, ngram or suffix) as a gRPC service."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "run a drafter service (gRPC) hosting one proposer"
+DEFAULT_PORT = 50061
+DEFAULT_METRICS_PORT = 9402
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix"])
+    p.add_argument("--model", default=None,
+                   help="draft model directory or hub id (draft_model; default: the bundled demo drafter)")
+    p.add_argument("--name", default=None, help="name reported by Info (default: the method)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)")
+    p.add_argument("--options", default=None,
+                   help='proposer options as JSON with vLLM\'s keys, e.g. \'{"prompt_lookup_max": 3}\' '
+                        "or '{\"draft_sample_method\": \"sampled\"}'")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="the most drafts per request (max k)")
+    p.add_argument("--ttl-seconds", type=float, default=600.0,
+                   help="forget a sequence no verifier touched for this long")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+    p.add_argument("--log-level", default="info")
+
+
+def build_proposer(args):
+    """The proposer and its Info message; vocabulary identity comes from the model's tokenizer."""
+    import json
+
+    from specd.config import SpeculativeConfig
+    from specd.demo_paths import demo_model_dir
+    from specd.drafter.proposers.factory import make_proposer
+    from specd.tokenizer import vocab_hash_of
+    from specd.v1 import drafter_pb2
+
+    options = json.loads(args.options) if args.options else {}
+    if not isinstance(options, dict):
+        raise ValueError("--options must be a JSON object")
+    model = args.model
+    if args.method == "draft_model" and model is None:
+        model = str(demo_model_dir("drafter"))
+    spec = SpeculativeConfig.parse({**options, "method": args.method, "model": model,
+                                    "num_speculative_tokens": args.num_speculative_tokens})
+    proposer = make_proposer(spec, target_vocab_size=None, device=args.device)
+    vocab_size, vocab_hash = 0, ""
+    if args.method == "draft_model":
+        from specd.engine.loader import resolve_model_dir
+
+        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(model))
+    info = drafter_pb2.DrafterInfoResponse(name=args.name or args.method, method=args.method, model=model or "",
+                                           vocab_size=vocab_size, vocab_hash=vocab_hash,
+                                           max_k=args.num_speculative_tokens)
+    return proposer, info
+
+
+def run(args) -> int:
+    import asyncio
+
+    from specd.cli import set_threads
+    from specd.grpc_server import install_uvloop, serve, setup_logging
+
+    setup_logging(args.log_level)
+    set_threads(args.threads)
+    proposer, info = build_proposer(args)
+    install_uvloop()
+    asyncio.run(_serve(args, proposer, info))
+    return 0
+
+
+async def _serve(args, proposer, info) -> None:
+    import asyncio
+
+    from specd.drafter.metrics import DrafterMetrics
+    from specd.drafter.server import DrafterService
+    from specd.grpc_server import serve
+    from specd.v1 import drafter_pb2, drafter_pb2_grpc
+
+    metrics = DrafterMetrics(info.name)
+    if args.metrics_port:
+        metrics.start_http_server(args.metrics_port, args.host)
+    service = DrafterService(proposer, info, args.ttl_seconds, metrics)
+
+    def add(server):
+        drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
+        return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
+
+    expiry = asyncio.create_task(service.expire_loop())
+    try:
+        await serve(add, args.host, args.port, name=f"drafter {info.name} ({info.method})")
+    finally:
+        expiry.cancel()

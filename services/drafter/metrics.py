@@ -1,0 +1,31 @@
+"""The drafter's Prometheus metrics (its own registry, on --metrics-port)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specd.telemetry import LATENCY_BUCKETS, serve_metrics
+
+
+class DrafterMetrics:
+    def __init__(self, name: str):
+        self.registry = CollectorRegistry()
+        labels = ["drafter"]
+        self.batches = Counter("specd_drafter_propose_batches", "Propose batches served", labels,
+                               registry=self.registry).labels(name)
+        self.entries = Counter("specd_drafter_propose_entries", "Sequences in propose batches", labels,
+                               registry=self.registry).labels(name)
+        self.draft_tokens = Counter("specd_drafter_draft_tokens", "Draft tokens proposed", labels,
+                                    registry=self.registry).labels(name)
+        self.propose_seconds = Histogram("specd_drafter_propose_seconds", "Time to answer one propose batch",
+                                         labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(name)
+        self.up = Gauge("specd_drafter_up", "1 while the drafter serves", labels, registry=self.registry).labels(name)
+        self.up.set(1)
+
+    def observe_batch(self, entries: int, draft_tokens: int, seconds: float) -> None:
+        self.batches.inc()
+        self.entries.inc(entries)
+        self.draft_tokens.inc(draft_tokens)
+        self.propose_seconds.observe(seconds)
+
+    def start_http_server(self, port: int, host: str = "0.0.0.0") -> None:
+        serve_metrics(self.registry, port, host)

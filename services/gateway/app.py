@@ -1,0 +1,246 @@
+"""The gateway's ASGI app: OpenAI routes, auth, body limits, health, metrics, admin proxy."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specd.tokenizer import Tokenizer
+from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+from . import admin
+from .config import GatewayConfig, ModelInfo
+from .errors import APIError
+from .generation import Job, Step, generate
+from .metrics import CONTENT_TYPE, GatewayMetrics
+from .prompts import chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
+from .responses import Formatter
+from .schemas import ChatCompletionRequest, CompletionRequest, read_json
+
+HEALTH_TIMEOUT_S = 2.0
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started; its Generate call was cancelled."""
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.metrics = GatewayMetrics()
+        self.created = int(time.time())
+        self.stub: verifier_pb2_grpc.VerifierStub | None = None  # set by lifespan, on the serving loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # grpc.aio channels belong to the event loop that creates them: create it on the app's own.
+        channel = grpc.aio.insecure_channel(self.config.verifier)
+        self.stub = verifier_pb2_grpc.VerifierStub(channel)
+        try:
+            yield
+        finally:
+            await channel.close()
+
+    # ---- generation
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        body = await read_json(request, ChatCompletionRequest if chat else CompletionRequest, self.config.max_body_bytes)
+        if body.model is not None and body.model != self.model.name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        body.check_supported()
+        if chat:
+            prompt_ids = chat_prompt_ids(self.tokenizer, [m.to_template() for m in body.messages])
+        else:
+            prompt_ids = completion_prompt_ids(self.tokenizer, body.prompt, self.model.vocab_size)
+        max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
+                                        prompt_param="messages" if chat else "prompt")
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        job = Job(request_id=request_id, prompt_ids=prompt_ids, params=body.sampling_params(max_tokens),
+                  drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
+                  arrival=arrival)
+        fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)
+        steps = generate(self.stub, self.tokenizer, job, self.metrics)
+        if not body.stream:
+            return JSONResponse(fmt.response(await cancel_on_disconnect(request, _collect(steps))))
+        # Wait for the first chunk before answering, so errors the verifier reports at once
+        # (bad argument, queue full, down) get their HTTP status instead of an in-stream event.
+        first = await cancel_on_disconnect(request, anext(steps))  # on error the generator is already closed
+        return SSEResponse(_sse(fmt, first, steps, body.include_usage))
+
+    # ---- plain routes
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model.name, "object": "model", "created": self.created, "owned_by": "specd",
+            "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.stub.Info(verifier_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return APIError(503, f"verifier: {e.code().name}: {e.details()}").response()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+async def cancel_on_disconnect(request: Request, awaitable: Awaitable):
+    """Awaits `awaitable`; if the client disconnects first, cancels it and raises ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # let its finally blocks (the gRPC cancel) run
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(steps: AsyncIterator[Step]) -> list[Step]:
+    async with contextlib.aclosing(steps):
+        return [step async for step in steps]
+
+
+def _event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse(fmt: Formatter, first: Step, steps: AsyncIterator[Step], include_usage: bool) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(steps):
+        role = fmt.role_chunk()
+        if role is not None:
+            yield _event(role)
+        step = first
+        try:
+            while True:
+                chunk = fmt.chunk(step)
+                if chunk is not None:
+                    yield _event(chunk)
+                if step.finish_reason is not None:
+                    break
+                step = await anext(steps)
+            if include_usage:
+                yield _event(fmt.usage_chunk(step))
+        except APIError as e:  # the status line is gone; the error travels as an event (as vLLM's)
+            yield _event(e.body())
+    yield b"data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # On disconnect the body generator may be left suspended at a yield; close it
+            # now (not at garbage collection) so its Generate call is cancelled at once.
+            await self.body_iterator.aclose()
+
+
+class CountRequests:
+    """requests_total{endpoint,status}; endpoint is the route template, so ids never become labels."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(route.path if route is not None else "other", str(status)).inc()
+
+
+def require_key(key: str | None, handler: Handler) -> Handler:
+    if key is None:
+        return handler
+    expected = f"Bearer {key}".encode()
+
+    async def guarded(request: Request) -> Response:
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            raise APIError(401, "missing or incorrect API key (expected an `Authorization: Bearer <key>` header)",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    return guarded
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return APIError(exc.status_code, exc.detail).response()  # unknown route (404), wrong method (405)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it, metrics do
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> Starlette:
+    gw = Gateway(config, model, tokenizer)
+    api, adm = config.api_key, config.admin_key
+    drafters = admin.DrafterAdmin(lambda: gw.stub, config.max_body_bytes)
+    routes = [
+        Route("/v1/chat/completions", require_key(api, gw.chat_completions), methods=["POST"]),
+        Route("/v1/completions", require_key(api, gw.completions), methods=["POST"]),
+        Route("/v1/models", require_key(api, gw.models), methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/metrics", gw.metrics_endpoint, methods=["GET"]),
+        Route("/admin/drafters", require_key(adm, drafters.list), methods=["GET"]),
+        Route("/admin/drafters", require_key(adm, drafters.register), methods=["POST"]),
+        Route("/admin/drafters/{name}", require_key(adm, drafters.remove), methods=["DELETE"]),
+    ]
+    return Starlette(routes=routes, lifespan=gw.lifespan,
+                    middleware=[Middleware(CountRequests, metrics=gw.metrics)],
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                                        ClientDisconnect: _client_gone, Exception: _internal_error})

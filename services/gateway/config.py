@@ -1,0 +1,39 @@
+"""The gateway's settings (from the command line) and what it learns from the verifier at startup."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class GatewayConfig:
+    verifier: str  # host:port of the verifier's gRPC server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required on /v1/* when set
+    admin_key: str | None = None  # required on /admin/* when set
+    tokenizer: str | None = None  # directory; default: the verifier's model directory
+    served_model_name: str | None = None  # default: the verifier's model name
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    verifier_wait_s: float = 60.0  # how long startup waits for the verifier to answer Info
+
+    def __post_init__(self) -> None:
+        if not self.verifier or ":" not in self.verifier:
+            raise ValueError(f"--verifier must be host:port, got {self.verifier!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.verifier_wait_s <= 0:
+            raise ValueError(f"--verifier-wait must be > 0 seconds, got {self.verifier_wait_s}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model, from Verifier.Info (and --served-model-name)."""
+
+    name: str  # what clients put in "model"
+    path: str  # the verifier's --model (directory or hub id)
+    max_model_len: int
+    vocab_size: int

@@ -1,0 +1,47 @@
+"""OpenAI-shaped errors: one exception type, one JSON shape, one gRPC→HTTP table."""
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+# The OpenAI error "type" per HTTP status; clients branch on the status, humans read the type.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# gRPC status (by name) -> HTTP status, for Generate and the admin RPCs alike; anything else is a 500.
+_GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
+                 "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+
+
+def from_grpc(err) -> APIError:
+    """An APIError for a grpc.aio.AioRpcError.
+
+    Client errors carry the verifier's message unchanged (it names the field); server
+    errors say where they came from, since grpc's own text ("failed to connect to all
+    addresses") does not.
+    """
+    name = err.code().name
+    status = _GRPC_TO_HTTP.get(name, 500)
+    details = err.details() or name
+    return APIError(status, details if status < 500 else f"verifier: {name}: {details}")

@@ -1,0 +1,95 @@
+"""One Verifier.Generate call turned into detokenized, stop-checked steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from specd.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
+from specd.v1 import verifier_pb2
+from specd.wire import params_to_proto, spec_to_dict
+
+from .detokenizer import IncrementalDetokenizer, StopStrings
+from .errors import APIError, from_grpc
+from .metrics import GatewayMetrics
+
+ABORT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Step:
+    """What one GenerateChunk adds to the response."""
+
+    text: str  # may be "" (held back: partial character or possible stop string)
+    token_ids: list[int]
+    logprobs: list[float] | None  # one per token id, when asked for
+    text_offsets: list[int]  # where each token's text starts in the completion text
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: dict | None  # speculation totals so far
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter: str
+    stop: list[str]
+    arrival: float  # time.perf_counter() when the HTTP request arrived (latency metrics)
+
+
+async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics) -> AsyncIterator[Step]:
+    """Yields one Step per chunk; the last has finish_reason set. gRPC errors become APIErrors.
+
+    Closing or cancelling this generator (client gone) cancels the call, and the
+    verifier aborts the sequence when its stream is cancelled.
+    """
+    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids)
+    stops = StopStrings(job.stop)
+    call = stub.Generate(verifier_pb2.GenerateRequest(
+        request_id=job.request_id, prompt_token_ids=job.prompt_ids,
+        params=params_to_proto(job.params, drafter=job.drafter)))
+    timer = metrics.track(job.arrival)
+    completed = False
+    try:
+        async for chunk in call:
+            if chunk.token_ids:
+                timer.tokens()
+            offsets, text = [], ""
+            for token_id in chunk.token_ids:
+                offsets.append(len(detok.text))
+                text += detok.add(token_id)
+            finish = chunk.finish_reason or None
+            if finish:
+                text += detok.flush()
+            text, stopped = stops.feed(text, final=finish is not None)
+            if stopped:
+                if not finish:
+                    await _abort(stub, job.request_id)
+                finish = "stop"
+            completed = finish is not None
+            yield Step(text=text, token_ids=list(chunk.token_ids),
+                       logprobs=list(chunk.logprobs) if job.params.want_logprobs else None,
+                       text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
+                       completion_tokens=chunk.completion_tokens,
+                       spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None)
+            if completed:
+                return
+        raise APIError(502, "the verifier ended the stream without a finish reason")
+    except grpc.aio.AioRpcError as e:
+        raise from_grpc(e) from None
+    finally:
+        call.cancel()  # synchronous: this may run inside a cancelled scope, where awaiting is not possible
+        timer.finish(completed)
+
+
+async def _abort(stub, request_id: str) -> None:
+    """A stop string ended the request here; the verifier stops generating for it at once."""
+    try:
+        await stub.Abort(verifier_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        pass  # the call cancel in generate() ends the sequence anyway

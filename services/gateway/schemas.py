@@ -1,0 +1,234 @@
+"""OpenAI request bodies (pydantic v2) and their translation to SamplingParams.
+
+Unknown fields are rejected (extra="forbid") and types are strict ("0.5" is not a
+number), so a typo never silently changes what is generated. OpenAI fields that
+would change the output but that specd does not implement are accepted only at
+their neutral value (n=1, presence_penalty=0, ...), and rejected otherwise by name.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+
+from specd.sampling import SamplingParams
+
+from .errors import APIError, bad_request
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class Speculative(_Body):
+    """specd extension: per-request speculation (0 drafts = off) and drafter choice."""
+
+    num_speculative_tokens: int | None = None
+    drafter: str = ""
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
+        msg = {"role": self.role, "content": content}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+# field -> (is the value neutral?, what is supported): see the module docstring.
+_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "n=1"),
+    "best_of": (lambda v: v in (None, 1), "best_of=1"),
+    "presence_penalty": (lambda v: not v, "presence_penalty=0"),
+    "frequency_penalty": (lambda v: not v, "frequency_penalty=0"),
+    "logit_bias": (lambda v: not v, "an empty logit_bias"),
+    "tools": (lambda v: not v, "no tools"),
+    "response_format": (lambda v: v is None or v.get("type") == "text", 'response_format {"type": "text"}'),
+    "top_logprobs": (lambda v: not v, "top_logprobs=0 (the chosen tokens' logprobs only)"),
+    "echo": (lambda v: not v, "echo=false"),
+    "suffix": (lambda v: not v, "no suffix"),
+}
+
+
+class _GenerationBody(_Body):
+    model: str | None = None  # None: the served model (as vLLM)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    speculative: Speculative | None = None
+
+    def check_supported(self) -> None:
+        for name, (neutral, supported) in _NEUTRAL.items():
+            value = getattr(self, name, None)
+            if name in type(self).model_fields and not neutral(value):
+                raise bad_request(f"{name}={json.dumps(value)} is not supported; specd supports {supported}",
+                                  param=name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _wants_logprobs(self) -> bool:
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises APIError 400 naming the field, with SamplingParams' own message."""
+        spec = self.speculative
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+                seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=bool(self.ignore_eos),
+                logprobs=True if self._wants_logprobs() else None,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else None)
+        except ValueError as e:
+            msg = str(e)
+            raise bad_request(msg, param=msg.split(" ", 1)[0]) from None
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaced max_tokens in OpenAI's chat API; it wins when both are set.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    best_of: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None and self.logprobs > 0:
+            raise bad_request(f"logprobs={self.logprobs} (top alternatives) is not supported; "
+                              "logprobs=0 returns the chosen tokens' logprobs", param="logprobs")
+
+    def _wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class RegisterDrafterBody(_Body):
+    name: str
+    address: str
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The body parsed as `model`; 413 as soon as it is known to exceed `limit` bytes (declared or streamed)."""
+    too_large = APIError(413, f"request body exceeds the limit of {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return parse_body(model, b"".join(chunks))
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Malformed JSON and every validation failure are a 400 naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e, data) from None
+
+
+def _validation_error(err: ValidationError, data: dict) -> APIError:
+    errors = err.errors()
+    first = errors[0]
+    loc = first["loc"]
+    field = str(loc[0]) if loc else None
+    if first["type"] == "extra_forbidden" and len(loc) == 1:
+        return bad_request(f"Unrecognized request argument supplied: {field}", param=field)
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{_dotted(loc)}'", param=field)
+    prefix = _common_prefix([e["loc"] for e in errors])
+    if len(errors) > 1 and prefix:
+        # A union (prompt, stop, content...) fails once per member; name the value, not each member.
+        value = _walk(data, prefix)
+        return bad_request(f"Invalid type for '{_dotted(prefix)}': {type(value).__name__} "
+                           f"{json.dumps(value)[:80]} does not match any accepted form", param=field)
+    return bad_request(f"Invalid value for '{_dotted(loc)}': {first['msg']}", param=field)
+
+
+def _dotted(loc) -> str:
+    return ".".join(map(str, loc))
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(prefix), len(loc)) and prefix[n] == loc[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _walk(data: Any, loc: tuple) -> Any:
+    for key in loc:
+        try:
+            data = data[key]
+        except (KeyError, IndexError, TypeError):  # a union member's tag, not a key of the body
+            break
+    return data

@@ -1,0 +1,220 @@
+"""The engine loop as an asyncio task: requests come and go on the event loop, every
+step (schedule → propose → verify → accept) runs on one worker thread so the loop keeps
+serving gRPC while the model computes.
+
+The engine is touched from one place at a time: adds and aborts queue up and are applied
+by the loop task between steps; the step itself runs alone on the worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specd.engine.llm_engine import LLMEngine
+from specd.engine.sequence import Sequence
+from specd.sampling import SamplingParams
+
+log = logging.getLogger("specd.verifier.engine")
+
+
+@dataclass
+class Delta:
+    """What one step committed for one request (the gRPC layer turns it into a chunk)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: dict
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    drafter: str | None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None
+    sent: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    last_emit: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, pool=None, metrics=None):
+        self.engine, self.pool, self.metrics = engine, pool, metrics
+        self.requests: dict[str, _Request] = {}
+        self._to_add: list[_Request] = []
+        self._to_abort: list[str] = []
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    # -- requests (event loop) ------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               drafter: str | None = None) -> _Request:
+        """Validate and queue a request; raises ValueError (a client error) right away."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.check_prompt(prompt_token_ids)
+        if drafter:
+            if self.pool is None:
+                raise ValueError("this verifier has no drafter pool (it runs without speculation "
+                                 "or with an in-process proposer)")
+            self.pool.check_choice(drafter)
+        req = _Request(request_id, list(prompt_token_ids), params, drafter)
+        self.requests[request_id] = req
+        self._to_add.append(req)
+        self._wake.set()
+        return req
+
+    async def stream(self, req: _Request):
+        """Deltas of one request until it finishes; leaving early (cancelled) aborts it."""
+        try:
+            while True:
+                delta = await req.queue.get()
+                if isinstance(delta, ValueError):  # the engine refused the request
+                    raise delta
+                if isinstance(delta, BaseException):
+                    raise EngineFailure(f"engine step failed: {delta}")
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            if req.request_id in self.requests:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._to_abort.append(request_id)
+        self._wake.set()
+        return True
+
+    # -- the loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._iteration()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # stop() cancelled us
+                # a gRPC call cancelled under us (e.g. a drafter's channel closed): keep going
+                log.warning("engine loop: an inner call was cancelled; continuing")
+            except Exception as e:  # noqa: BLE001 — a bug must fail requests, not freeze the loop
+                log.exception("engine loop iteration failed")
+                self._fail_all(e)
+
+    async def _iteration(self) -> None:
+        """Apply queued adds/aborts, then one step (or sleep until there is work)."""
+        loop = asyncio.get_running_loop()
+        self._apply_pending()
+        if not self.engine.has_unfinished():
+            self._export_gauges()
+            if self.pool is not None:
+                self.pool.flush_releases()
+            if not self._to_add and not self._to_abort:
+                self._wake.clear()
+                await self._wake.wait()
+            return
+        t0 = time.perf_counter()
+        try:
+            finished = await loop.run_in_executor(self._worker, self.engine.step)
+        except Exception as e:  # noqa: BLE001 — fail the requests in flight, keep serving
+            log.exception("engine step failed")
+            self._fail_all(e)
+            return
+        self._emit()
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+            self.metrics.batch_size.observe(len(self.engine.scheduler.running) + len(finished))
+            self._export_gauges()
+            if self.engine.speculator is not None:
+                self.metrics.export_spec(self.engine.speculator.stats_by_drafter)
+
+    def _apply_pending(self) -> None:
+        adds, self._to_add = self._to_add, []
+        for req in adds:
+            if req.request_id not in self.requests:
+                continue  # aborted before it started
+            try:
+                seq_id = self.engine.add_request(req.prompt_token_ids, req.params)
+            except ValueError as e:
+                self.requests.pop(req.request_id, None)
+                req.queue.put_nowait(e)
+                continue
+            req.seq = self.engine.sequences[seq_id]
+            if self.pool is not None:
+                self.pool.assign(seq_id, req.drafter)
+        aborts, self._to_abort = self._to_abort, []
+        for request_id in aborts:
+            req = self.requests.get(request_id)
+            if req is None or req.seq is None:
+                self.requests.pop(request_id, None)
+                continue
+            self.engine.abort(req.seq.seq_id)
+            self._emit_one(req)
+
+    def _emit(self) -> None:
+        for req in list(self.requests.values()):
+            if req.seq is not None:
+                self._emit_one(req)
+
+    def _emit_one(self, req: _Request) -> None:
+        seq = req.seq
+        new = seq.output_token_ids[req.sent:]
+        if not new and not seq.is_finished:
+            return
+        now = time.monotonic()
+        if self.metrics is not None and new:
+            if req.sent == 0:
+                self.metrics.ttft.observe(now - req.arrival)
+            elif req.last_emit is not None:
+                self.metrics.itl.observe((now - req.last_emit) / len(new))
+        logprobs = seq.output_logprobs[req.sent:len(seq.output_token_ids)] if seq.params.want_logprobs else []
+        req.sent, req.last_emit = len(seq.output_token_ids), now
+        reason = seq.finish_reason if seq.is_finished else None
+        req.queue.put_nowait(Delta(list(new), list(logprobs), reason, len(seq.prompt_token_ids),
+                                   len(seq.output_token_ids), seq.spec_stats.to_dict()))
+        if reason:
+            self.requests.pop(req.request_id, None)
+            if self.metrics is not None:
+                self.metrics.requests.labels(reason).inc()
+                self.metrics.e2e.observe(now - req.arrival)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for req in list(self.requests.values()):
+            if req.seq is not None and not req.seq.is_finished:
+                self.engine.abort(req.seq.seq_id)
+            req.queue.put_nowait(error)
+            if self.metrics is not None:
+                self.metrics.requests.labels("error").inc()
+        self.requests.clear()
+
+    def _export_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        sched, blocks = self.engine.scheduler, self.engine.block_manager
+        self.metrics.running.set(len(sched.running))
+        self.metrics.waiting.set(len(sched.waiting))
+        free = blocks.num_free_blocks
+        self.metrics.kv_free.set(free)
+        self.metrics.kv_used.set(blocks.num_total_blocks - free)

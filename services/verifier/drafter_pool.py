@@ -1,0 +1,199 @@
+"""The verifier's drafter pool (DESIGN §6): named drafters, routing, one batched message per
+drafter per step, and a synchronous face for the engine's speculator.
+
+Routing: a request may name its drafter; otherwise a sequence stays with the drafter that
+holds its state while that one is healthy, else goes to the first healthy drafter in
+registration order. Moving to another drafter costs one step's drafts (the new one
+answers "resync" and gets the full history next step). A drafter that is slow, dead or
+talks nonsense costs drafts, never requests: its answers are validated by the speculator
+and a missed deadline simply means no drafts this step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from specd.drafter.proposers.base import Proposal, ProposeRequest
+from specd.v1 import drafter_pb2, verifier_pb2
+from specd.verifier.drafter_client import DrafterClient
+
+log = logging.getLogger("specd.verifier.pool")
+
+DEFAULT_PROPOSE_TIMEOUT_S = 0.25
+
+
+class DrafterPool:
+    def __init__(self, vocab_size: int, vocab_hash: str, timeout_s: float = DEFAULT_PROPOSE_TIMEOUT_S,
+                 metrics=None):
+        self.vocab_size, self.vocab_hash, self.timeout_s = vocab_size, vocab_hash, timeout_s
+        self.client_id = uuid.uuid4().hex  # scopes our sequence ids at drafters shared by several verifiers
+        self.drafters: dict[str, DrafterClient] = {}
+        self.seq_drafter: dict[int, str] = {}  # where each sequence's drafter-side state lives
+        self.seq_choice: dict[int, str] = {}  # a request's own drafter choice
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    # -- administration --------------------------------------------------------
+    async def register(self, name: str, address: str, rank: int | None = None) -> DrafterClient:
+        """rank orders the default choice (lower first); runtime additions go last."""
+        if not name or not address:
+            raise ValueError("a drafter needs a name and an address (host:port)")
+        if name in self.drafters:
+            raise KeyError(f"a drafter named {name!r} is already registered (at {self.drafters[name].address})")
+        client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash)
+        try:
+            await client.connect()
+        except BaseException:
+            await client.close()
+            raise
+        if name in self.drafters:  # registered concurrently while we connected
+            await client.close()
+            raise KeyError(f"a drafter named {name!r} is already registered")
+        if self.metrics is not None:
+            client.on_rtt = self.metrics.propose_rtt.labels(name).observe
+        client.rank = rank if rank is not None else max((c.rank for c in self.drafters.values()), default=0) + 1000
+        self.drafters = dict(sorted({**self.drafters, name: client}.items(), key=lambda kv: kv[1].rank))
+        log.info("drafter %s registered: %s at %s (max k %d)", name, client.info.method, address, client.info.max_k)
+        return client
+
+    async def remove(self, name: str, drain: bool = True) -> None:
+        client = self.drafters.get(name)
+        if client is None:
+            raise LookupError(f"no drafter named {name!r}; registered: {', '.join(self.drafters) or 'none'}")
+        if drain:
+            await client.drain(self.timeout_s * 2)
+        self.drafters.pop(name, None)
+        await client.close()
+        if self.metrics is not None:
+            self.metrics.drafter_healthy.labels(name).set(0)
+        log.info("drafter %s removed", name)
+
+    async def close(self) -> None:
+        for name in list(self.drafters):
+            await self.remove(name, drain=False)
+
+    def status(self, stats_by_drafter=None) -> list[verifier_pb2.DrafterStatus]:
+        out = []
+        for name, c in self.drafters.items():
+            s = (stats_by_drafter or {}).get(name)
+            info = c.info
+            out.append(verifier_pb2.DrafterStatus(
+                name=name, address=c.address, method=info.method if info else "", model=info.model if info else "",
+                state=c.state, healthy=c.healthy, proposals=c.proposals,
+                draft_tokens=s.draft_tokens if s else 0, accepted_tokens=s.accepted_tokens if s else 0,
+                acceptance_rate=s.acceptance_rate if s else 0.0,
+                propose_p50_ms=c.rtt_quantile(0.5) * 1e3, propose_p99_ms=c.rtt_quantile(0.99) * 1e3,
+                timeouts=c.timeouts, last_error=c.last_error))
+        return out
+
+    def export_health(self) -> None:
+        if self.metrics is not None:
+            for name, c in self.drafters.items():
+                self.metrics.drafter_healthy.labels(name).set(1 if c.healthy else 0)
+
+    # -- requests ----------------------------------------------------------------
+    def check_choice(self, name: str | None) -> None:
+        if name and name not in self.drafters:
+            raise ValueError(f"unknown drafter {name!r}; registered: {', '.join(self.drafters) or 'none'}")
+
+    def assign(self, seq_id: int, name: str | None) -> None:
+        if name:
+            self.seq_choice[seq_id] = name
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seq_choice.pop(sid, None)
+            name = self.seq_drafter.pop(sid, None)
+            client = self.drafters.get(name) if name else None
+            if client is not None and client.healthy:
+                client.releases.append(sid)
+
+    def flush_releases(self) -> None:
+        """Tell drafters about finished sequences when no step is coming to carry them
+        (in the background: the engine loop never waits on a drafter)."""
+        for client in list(self.drafters.values()):
+            if client.releases and client.healthy:
+                ids, client.releases = client.releases, []
+                task = asyncio.get_running_loop().create_task(self._release(client, ids))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _release(self, client: DrafterClient, ids: list[int]) -> None:
+        try:
+            await client.stub.Release(drafter_pb2.ReleaseRequest(client_id=self.client_id, seq_ids=ids),
+                                      timeout=self.timeout_s)
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — closed channel, dead drafter:
+            log.debug("release at %s failed: %s", client.name, e)  # the drafter's TTL cleans up instead
+
+    def _route(self, seq_id: int) -> DrafterClient | None:
+        for name in (self.seq_choice.get(seq_id), self.seq_drafter.get(seq_id)):
+            client = self.drafters.get(name) if name else None
+            if client is not None and client.healthy:
+                return client
+        return next((c for c in self.drafters.values() if c.healthy), None)
+
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        groups: dict[str, list[ProposeRequest]] = {}
+        out: list[Proposal] = []
+        for req in requests:
+            client = self._route(req.seq_id)
+            if client is None:
+                continue  # no drafter: no drafts (the speculator resends the history later)
+            previous = self.seq_drafter.get(req.seq_id)
+            if previous != client.name:
+                self.seq_drafter[req.seq_id] = client.name
+                if previous is not None and previous in self.drafters:
+                    self.drafters[previous].releases.append(req.seq_id)
+                if not req.full_history:  # the new drafter has no state: send everything next step
+                    out.append(Proposal(seq_id=req.seq_id, token_ids=[], resync=True))
+                    continue
+            groups.setdefault(client.name, []).append(req)
+        results = await asyncio.gather(*(self._ask(self.drafters[n], reqs) for n, reqs in groups.items()))
+        for proposals in results:
+            out.extend(proposals)
+        self.export_health()
+        return out
+
+    async def _ask(self, client: DrafterClient, requests: list[ProposeRequest]) -> list[Proposal]:
+        batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases)
+        client.releases = []
+        for r in requests:
+            entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens,
+                                      k=min(r.k, client.max_k), full_history=r.full_history,
+                                      num_prompt_tokens=r.num_prompt_tokens or 0, temperature=r.temperature)
+            if r.seed is not None:
+                entry.seed = r.seed
+        try:
+            reply = await client.round_trip(batch)
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — timeout, dead drafter, broken stream
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise
+            if not isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                client.mark_broken(e)
+            # The drafter may or may not have applied these deltas: resend the full history.
+            return [Proposal(seq_id=r.seq_id, token_ids=[], resync=True) for r in requests]
+        return [Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
+                         q_ids=[list(d.ids) for d in p.q] or None, q_probs=[list(d.probs) for d in p.q] or None,
+                         resync=p.resync, drafter=client.name)
+                for p in reply.proposals]
+
+
+class PoolProposer:
+    """The engine's proposer interface, called from the engine thread, run on the event loop."""
+
+    def __init__(self, pool: DrafterPool, loop: asyncio.AbstractEventLoop):
+        self.pool, self.loop = pool, loop
+
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        future = asyncio.run_coroutine_threadsafe(self.pool.propose(batch), self.loop)
+        try:  # the pool keeps its own deadlines; this bound only guards against a stuck loop
+            return future.result(timeout=self.pool.timeout_s * 4 + 1.0)
+        except TimeoutError:
+            future.cancel()
+            log.error("drafter pool did not answer within %.1f s; stepping without drafts",
+                      self.pool.timeout_s * 4 + 1.0)
+            return []
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.loop.call_soon_threadsafe(self.pool.release, list(seq_ids))

@@ -1,0 +1,139 @@
+"""`specd verifier`: the target model, its KV cache, the batch loop and the drafter pool, over gRPC."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "run the verifier service (gRPC): target model, KV cache, batching, drafter pool"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9401
+
+
+def _drafter_arg(value: str) -> tuple[str, str]:
+    name, sep, address = value.partition("=")
+    if not sep or not name or not address:
+        raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT, got {value!r}")
+    return name, address
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target model directory or hub id (default: the bundled demo target)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)")
+    p.add_argument("--drafter", action="append", default=[], type=_drafter_arg, metavar="NAME=ADDR",
+                   help="a drafter service to register at start (repeatable; more can be added at runtime)")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON with vLLM\'s keys (num_speculative_tokens, rejection_sample_method, adaptive, ...); '
+                        'with "method" the proposer runs in-process instead of in drafter services')
+    p.add_argument("--no-speculation", action="store_true", help="plain decoding; no drafter pool")
+    p.add_argument("--propose-timeout-ms", type=float, default=250.0,
+                   help="deadline of one propose round trip; a late drafter costs that step its drafts")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-gb", type=float, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args) -> int:
+    import asyncio
+
+    from specd.cli import default_model, set_threads
+    from specd.config import EngineConfig, SpeculativeConfig
+    from specd.grpc_server import install_uvloop, setup_logging
+
+    setup_logging(args.log_level)
+    set_threads(args.threads)
+    model = args.model or default_model()
+    if model is None:
+        raise ValueError("no --model given and the bundled demo target is missing")
+    config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          seed=args.seed)
+    spec = None if args.no_speculation else (SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig())
+    if args.drafter and spec is None:
+        raise ValueError("--drafter needs speculation; drop --no-speculation")
+    if spec is not None and spec.method is not None and args.drafter:
+        raise ValueError("--drafter and an in-process speculative method are exclusive; drop 'method' "
+                         "from --speculative-config to use drafter services")
+    install_uvloop()
+    asyncio.run(_serve(args, config, spec))
+    return 0
+
+
+async def _serve(args, config, spec) -> None:
+    import asyncio
+    import logging
+    from pathlib import Path
+
+    from specd.engine.llm_engine import LLMEngine
+    from specd.grpc_server import serve
+    from specd.tokenizer import vocab_hash_of
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+    from specd.verifier.async_engine import AsyncEngine
+    from specd.verifier.drafter_pool import DrafterPool, PoolProposer
+    from specd.verifier.metrics import VerifierMetrics
+    from specd.verifier.server import VerifierService
+
+    log = logging.getLogger("specd.verifier")
+    loop = asyncio.get_running_loop()
+    metrics = VerifierMetrics()
+    pool = None
+    if spec is not None and spec.method is None:
+        from specd.engine.loader import read_arch_config, resolve_model_dir
+
+        model_dir = resolve_model_dir(config.model)
+        pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
+                           args.propose_timeout_ms / 1e3, metrics)
+    # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
+    engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None))
+    info = verifier_pb2.InfoResponse(
+        model=config.model, model_name=Path(config.model.rstrip("/")).name, max_model_len=engine.max_model_len,
+        vocab_size=engine.arch.vocab_size, vocab_hash=vocab_hash_of(engine.model_dir),
+        eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None)
+    async_engine = AsyncEngine(engine, pool, metrics)
+    if args.metrics_port:
+        metrics.start_http_server(args.metrics_port, args.host)
+
+    def add(server):
+        verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierService(async_engine, info), server)
+        return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
+
+    async def register_at_start(name: str, address: str, rank: int) -> None:
+        """Drafters named on the command line may start after us (compose): retry until one answers."""
+        delay = 0.5
+        while True:
+            try:
+                await pool.register(name, address, rank)
+                return
+            except (KeyError, ValueError) as e:  # duplicate name or wrong vocabulary: retrying cannot help
+                log.error("drafter %s at %s refused: %s", name, address, e)
+                return
+            except Exception as e:  # noqa: BLE001
+                log.warning("drafter %s at %s not reachable yet (%s); retrying", name, address, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def ready():
+        async_engine.start()
+        for rank, (name, address) in enumerate(args.drafter):  # the first named is the default drafter
+            background.append(asyncio.create_task(register_at_start(name, address, rank)))
+
+    background: list[asyncio.Task] = []
+
+    try:
+        await serve(add, args.host, args.port, on_ready=ready, name=f"verifier ({info.model_name})")
+    finally:
+        for task in background:
+            task.cancel()
+        await async_engine.stop()
+        if pool is not None:
+            await pool.close()

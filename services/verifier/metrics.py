@@ -1,0 +1,67 @@
+"""The verifier's Prometheus metrics (its own registry, on --metrics-port).
+
+Speculation counters follow vLLM's spec_decode names, prefixed specd_, one series per
+drafter; a request that never speculated adds nothing to them.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specd.engine.spec_stats import SpecStats
+from specd.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, serve_metrics
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class VerifierMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specd_verifier_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("specd_verifier_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specd_verifier_inter_token_latency_seconds",
+                             "Time between token deltas, divided by the tokens in the delta",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specd_verifier_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("specd_verifier_num_requests_running", "Sequences scheduled (running)", registry=r)
+        self.waiting = Gauge("specd_verifier_num_requests_waiting", "Queue depth: sequences waiting", registry=r)
+        self.kv_used = Gauge("specd_verifier_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_free = Gauge("specd_verifier_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.batch_size = Histogram("specd_verifier_batch_size", "Sequences per engine step",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.step_seconds = Histogram("specd_verifier_step_seconds", "Engine step time (propose + verify)",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        labels = ["drafter"]
+        self.num_drafts = Counter("specd_spec_decode_num_drafts", "Verify steps that carried drafts",
+                                  labels, registry=r)
+        self.num_draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                        labels, registry=r)
+        self.num_accepted = Counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                    labels, registry=r)
+        self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each position (0-based)",
+                                        ["drafter", "position"], registry=r)
+        self.propose_rtt = Histogram("specd_verifier_propose_rtt_seconds", "Propose round trip per drafter",
+                                     labels, buckets=RTT_BUCKETS, registry=r)
+        self.drafter_healthy = Gauge("specd_verifier_drafter_healthy", "1 when the drafter takes traffic",
+                                     labels, registry=r)
+        self._exported: dict[str, SpecStats] = {}
+
+    def export_spec(self, stats_by_drafter: dict[str, SpecStats]) -> None:
+        """Add what the speculator counted since the last call."""
+        for name, s in list(stats_by_drafter.items()):
+            seen = self._exported.setdefault(name, SpecStats())
+            if s.drafts == seen.drafts:
+                continue
+            self.num_drafts.labels(name).inc(s.drafts - seen.drafts)
+            self.num_draft_tokens.labels(name).inc(s.draft_tokens - seen.draft_tokens)
+            self.num_accepted.labels(name).inc(s.accepted_tokens - seen.accepted_tokens)
+            for pos, count in enumerate(s.accepted_per_pos):
+                before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+                self.accepted_per_pos.labels(name, str(pos)).inc(count - before)
+            self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos))
+
+    def start_http_server(self, port: int, host: str = "0.0.0.0") -> None:
+        serve_metrics(self.registry, port, host)

@@ -1,0 +1,91 @@
+"""The Verifier gRPC service: Generate (server stream), Abort, Info and the drafter admin RPCs."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from specd.v1 import verifier_pb2, verifier_pb2_grpc
+from specd.verifier.async_engine import AsyncEngine, EngineFailure
+from specd.verifier.drafter_client import VocabularyMismatch
+from specd.wire import params_from_proto
+
+
+class VerifierService(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: AsyncEngine, info: verifier_pb2.InfoResponse):
+        self.engine, self.info = engine, info
+
+    async def Generate(self, request, context):
+        try:
+            params = params_from_proto(request.params)
+            req = self.engine.submit(request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids),
+                                     params, request.params.drafter or None)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for d in self.engine.stream(req):
+                chunk = verifier_pb2.GenerateChunk(token_ids=d.token_ids, logprobs=d.logprobs,
+                                                   finish_reason=d.finish_reason or "",
+                                                   prompt_tokens=d.prompt_tokens,
+                                                   completion_tokens=d.completion_tokens)
+                chunk.spec.drafts = d.spec["drafts"]
+                chunk.spec.draft_tokens = d.spec["draft_tokens"]
+                chunk.spec.accepted_tokens = d.spec["accepted_tokens"]
+                chunk.spec.accepted_per_pos.extend(d.spec["accepted_per_pos"])
+                yield chunk
+        except EngineFailure as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except ValueError as e:  # rejected when the engine added it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Abort(self, request, context):
+        return verifier_pb2.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def Info(self, request, context):
+        return self.info
+
+    # -- drafter administration -------------------------------------------------------
+    def _pool(self):
+        return self.engine.pool
+
+    async def RegisterDrafter(self, request, context):
+        pool = self._pool()
+        if pool is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this verifier runs without a drafter pool (started with an in-process "
+                                "speculative method or --no-speculation)")
+        try:
+            await pool.register(request.name, request.address)
+        except VocabularyMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, e.args[0])
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TimeoutError, ConnectionError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot reach drafter {request.name!r} at {request.address}: {detail}")
+        return verifier_pb2.RegisterDrafterResponse(drafter=self._status(request.name))
+
+    async def RemoveDrafter(self, request, context):
+        pool = self._pool()
+        try:
+            if pool is None:
+                raise LookupError(f"no drafter named {request.name!r}")
+            await pool.remove(request.name, drain=request.drain)
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return verifier_pb2.RemoveDrafterResponse()
+
+    async def ListDrafters(self, request, context):
+        pool = self._pool()
+        return verifier_pb2.ListDraftersResponse(drafters=pool.status(self._stats()) if pool else [])
+
+    def _stats(self):
+        speculator = self.engine.engine.speculator
+        return dict(speculator.stats_by_drafter) if speculator is not None else {}
+
+    def _status(self, name: str):
+        return next(s for s in self._pool().status(self._stats()) if s.name == name)

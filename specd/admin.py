@@ -1,0 +1,73 @@
+"""`specd drafters list | add NAME ADDR | remove NAME`: the verifier's drafter pool, over gRPC."""
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "list, add or remove the verifier's drafters at runtime"
+STATUS_FIELDS = ("name", "address", "method", "state", "acceptance_rate", "draft_tokens", "propose_p50_ms",
+                 "timeouts", "last_error")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier", default="127.0.0.1:50051", help="verifier gRPC address (default 127.0.0.1:50051)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the verifier")
+    sub = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    ls = sub.add_parser("list", help="drafters with health, acceptance and latency")
+    ls.add_argument("--json", action="store_true", help="one JSON object per drafter")
+    add = sub.add_parser("add", help="register a running drafter service")
+    add.add_argument("name")
+    add.add_argument("address", help="host:port of the drafter")
+    rm = sub.add_parser("remove", help="drain and remove a drafter")
+    rm.add_argument("name")
+    rm.add_argument("--no-drain", action="store_true", help="drop in-flight proposals instead of draining")
+
+
+def status_dict(status) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(status, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+
+
+def run(args) -> int:
+    import grpc
+
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(args.verifier) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        try:
+            if args.action == "list":
+                drafters = stub.ListDrafters(verifier_pb2.ListDraftersRequest(), timeout=args.timeout).drafters
+                _print_list([status_dict(d) for d in drafters], args.json)
+            elif args.action == "add":
+                reply = stub.RegisterDrafter(verifier_pb2.RegisterDrafterRequest(name=args.name, address=args.address),
+                                             timeout=args.timeout)
+                print(json.dumps(status_dict(reply.drafter)))
+            else:
+                stub.RemoveDrafter(verifier_pb2.RemoveDrafterRequest(name=args.name, drain=not args.no_drain),
+                                   timeout=args.timeout)
+                print(f"removed {args.name}")
+        except grpc.RpcError as e:
+            raise RuntimeError(f"{e.code().name.lower()}: {e.details()}") from None
+    return 0
+
+
+def _print_list(rows: list[dict], as_json: bool) -> None:
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    if not rows:
+        print("no drafters")
+        return
+    table = [STATUS_FIELDS] + [tuple(_cell(r.get(f)) for f in STATUS_FIELDS) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(STATUS_FIELDS))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return "" if value is None else str(value)

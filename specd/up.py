@@ -1,0 +1,194 @@
+"""`specd up`: the whole stack on one machine — drafters, verifier and gateway as separate
+processes talking gRPC on loopback. Waits until every one is healthy, prints the URL, and
+stops them all on Ctrl-C or SIGTERM (a child that dies takes the stack down with a message).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HELP = "start gateway + verifier + drafters on this machine (default: the demo pair)"
+READY_TIMEOUT_S = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model directory or hub id (default: the demo target)")
+    p.add_argument("--drafter", action="append", default=None, metavar="METHOD[:MODEL]",
+                   help="a drafter to start (repeatable): draft_model[:MODEL], ngram or suffix "
+                        "(default: draft_model on the demo drafter, and ngram)")
+    p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
+    p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--verifier-port", type=int, default=50051)
+    p.add_argument("--drafter-port", type=int, default=50061, help="first drafter port; the next ones count up")
+    p.add_argument("--metrics-port", type=int, default=9401,
+                   help="verifier /metrics port; drafters use the next ones (0: off). The gateway serves "
+                        "its own /metrics")
+    p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
+    p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-key", default=None)
+    p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
+
+
+def parse_drafter(value: str) -> tuple[str, str | None]:
+    method, _, model = value.partition(":")
+    if method not in ("draft_model", "ngram", "suffix"):
+        raise ValueError(f"--drafter: unknown method {method!r} (draft_model[:MODEL], ngram or suffix)")
+    if model and method != "draft_model":
+        raise ValueError(f"--drafter: only draft_model takes a model, got {value!r}")
+    return method, model or None
+
+
+class Stack:
+    """Child processes with prefixed output; stop() terminates them all (then kills stragglers)."""
+
+    def __init__(self):
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, "-m", "specd.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
+        threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
+        self.children.append((name, proc))
+        return proc
+
+    @staticmethod
+    def _relay(name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            sys.stderr.write(f"[{name}] {line}")
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in reversed(self.children):  # gateway first: no new requests while the rest stops
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in self.children:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def drafters_registered(address: str, names: list[str]) -> bool:
+    import grpc
+
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = verifier_pb2_grpc.VerifierStub(channel).ListDrafters(verifier_pb2.ListDraftersRequest(),
+                                                                         timeout=1.0)
+    except grpc.RpcError:
+        return False
+    healthy = {d.name for d in reply.drafters if d.healthy}
+    return all(n in healthy for n in names)
+
+
+def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threading.Event,
+               timeout: float = READY_TIMEOUT_S) -> None:
+    pending = list(checks)
+    deadline = time.monotonic() + timeout
+    while pending and not stopping.is_set():
+        dead = stack.dead()
+        if dead:
+            raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in dead) + " (its log is above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy after {timeout:.0f} s: {', '.join(n for n, _ in pending)}")
+        pending = [(n, check) for n, check in pending if not check()]
+        if pending:
+            time.sleep(0.25)
+
+
+def run(args) -> int:
+    from specd.cli import default_model
+    from specd.demo_paths import demo_model_dir
+
+    target = args.target or default_model()
+    if target is None:
+        raise ValueError("no --target given and the bundled demo target is missing")
+    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "ngram"])]
+    stack = Stack()
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    log = ["--log-level", args.log_level]
+    try:
+        checks, drafter_flags, names = [], [], []
+        for i, (method, model) in enumerate(drafters):
+            name = method if sum(m == method for m, _ in drafters) == 1 else f"{method}-{i}"
+            port = args.drafter_port + i
+            metrics = args.metrics_port + 1 + i if args.metrics_port else 0
+            argv = ["drafter", "--method", method, "--name", name, "--port", str(port),
+                    "--metrics-port", str(metrics), "--threads", str(args.drafter_threads), *log]
+            if method == "draft_model":
+                argv += ["--model", model or str(demo_model_dir("drafter"))]
+            stack.start(f"drafter {name}", argv)
+            checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a)))
+            drafter_flags += ["--drafter", f"{name}=127.0.0.1:{port}"]
+            names.append(name)
+        verifier = f"127.0.0.1:{args.verifier_port}"
+        argv = ["verifier", "--model", target, "--port", str(args.verifier_port), "--metrics-port",
+                str(args.metrics_port), "--threads", str(args.threads), *drafter_flags, *log]
+        if args.no_speculation:
+            argv.append("--no-speculation")
+        if args.speculative_config:
+            argv += ["--speculative-config", args.speculative_config]
+        if args.max_model_len:
+            argv += ["--max-model-len", str(args.max_model_len)]
+        stack.start("verifier", argv)
+        checks.append(("verifier", lambda: grpc_serving(verifier) and drafters_registered(verifier, names)))
+        argv = ["gateway", "--verifier", verifier, "--host", args.host, "--port", str(args.port), *log]
+        for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
+            if value:
+                argv += [flag, value]
+        stack.start("gateway", argv)
+        checks.append(("gateway", lambda: http_ok(f"http://{args.host}:{args.port}/health")))
+        wait_ready(stack, checks, stopping)
+        if stopping.is_set():
+            return 0
+        url = f"http://{args.host}:{args.port}/v1"
+        print(f"specd is up: {url}  (OpenAI API; model {os.path.basename(target.rstrip('/'))}; "
+              f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
+        while not stopping.is_set():
+            dead = stack.dead()
+            if dead:
+                raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in dead) + " (its log is above)")
+            stopping.wait(0.5)
+        return 0
+    finally:
+        stack.stop()

@@ -1,0 +1,29 @@
+"""Conversions between specd's Python types and the gRPC messages (one place, both sides)."""
+from __future__ import annotations
+
+from specd.sampling import SamplingParams
+from specd.v1 import verifier_pb2
+
+
+def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.SamplingParams:
+    msg = verifier_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logprobs=p.want_logprobs, drafter=drafter)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.num_speculative_tokens is not None:
+        msg.num_speculative_tokens = p.num_speculative_tokens
+    return msg
+
+
+def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (naming the field) for values SamplingParams rejects."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, logprobs=True if msg.logprobs else None,
+        num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None)
+
+
+def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:
+    return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens}
