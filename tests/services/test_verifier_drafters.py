@@ -1,5 +1,7 @@
-"""The verifier and its drafter pool over real gRPC on loopback: greedy output never
-changes, whatever the drafters do (die, hang, talk garbage, get swapped under load)."""
+"""The stack as users see it — drafters, verifier and gateway as real processes on loopback,
+driven through the official `openai` client: greedy output never changes, whatever the
+drafters do (die, hang, talk garbage, get swapped under load). Administration goes over
+the verifier's gRPC admin API."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
+import openai
 import pytest
 from faulty_drafters import GARBAGE_MODES, start_faulty
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +27,7 @@ from specd.v1 import verifier_pb2_grpc as pbg
 from specd.wire import params_to_proto
 
 MAX_TOKENS = 48
+MODEL = "specd-demo-target"
 SNIPPETS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self",
             "for i in range(10):\n    ", "    return self.", "def main():\n    args = ", "if __name__ == ",
             "with open(path) as f:\n    ", "try:\n    import json\nexcept ", "    def __repr__(self):\n        ",
@@ -47,20 +52,23 @@ def reference(prompts):
 
     llm = LLM(str(demo_model_dir("target")))
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    return [o.token_ids for o in outs]
+    return [o.text for o in outs]
 
 
 @pytest.fixture(scope="module")
 def stack(launcher):
-    """Two drafters (draft_model, ngram) and a verifier with a metrics port."""
+    """Two drafters (draft_model, ngram), a verifier with a metrics port, and the gateway."""
     dm = launcher.start("drafter-dm", "drafter", ["--method", "draft_model", "--name", "dm"])
     ng = launcher.start("drafter-ng", "drafter", ["--method", "ngram", "--name", "ng"])
     metrics_port = launcher.free_port()
     verifier = launcher.start("verifier", "verifier", ["--drafter", f"dm={dm.address}", "--drafter",
                                                        f"ng={ng.address}", "--metrics-port", str(metrics_port)])
+    gateway = launcher.start("gateway", "gateway", ["--verifier", verifier.address], http=True)
     stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
     _wait(lambda: all(d.healthy for d in _drafters(stub).values()) and len(_drafters(stub)) == 2)
-    return dict(launcher=launcher, dm=dm, ng=ng, verifier=verifier, stub=stub, metrics_port=metrics_port)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=120)
+    return dict(launcher=launcher, dm=dm, ng=ng, verifier=verifier, stub=stub, metrics_port=metrics_port,
+                client=client, gateway=gateway)
 
 
 def _wait(cond, timeout=60.0, what="condition"):
@@ -75,68 +83,73 @@ def _drafters(stub) -> dict:
     return {d.name: d for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=10).drafters}
 
 
-def generate(stub, prompt, k=None, drafter="", max_tokens=MAX_TOKENS, timeout=120):
-    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k),
-                             drafter=drafter)
-    tokens, last = [], None
-    for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, params=params), timeout=timeout):
-        tokens += chunk.token_ids
-        last = chunk
-    return tokens, last
+def generate(client, prompt, k=None, drafter="", max_tokens=MAX_TOKENS):
+    """One streamed greedy completion: (text, finish_reason, usage.speculative)."""
+    spec = {key: v for key, v in (("num_speculative_tokens", k), ("drafter", drafter)) if v not in (None, "")}
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"speculative": spec} if spec else None):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return text, finish, usage.model_extra["speculative"]
 
 
-def generate_all(stub, prompts, **kw):
+def generate_all(client, prompts, **kw):
     with ThreadPoolExecutor(len(prompts)) as ex:
-        return list(ex.map(lambda p: generate(stub, p, **kw), prompts))
+        return list(ex.map(lambda p: generate(client, p, **kw), prompts))
 
 
 def test_greedy_identical_with_each_drafter_and_without(stack, prompts, reference):
-    stub = stack["stub"]
     for kw in ({}, {"drafter": "dm"}, {"drafter": "ng"}, {"k": 0}):
-        results = generate_all(stub, prompts, **kw)
-        assert [t for t, _ in results] == reference, kw
-        assert all(last.finish_reason in ("stop", "length") for _, last in results)
-        drafts = sum(last.spec.draft_tokens for _, last in results)
+        results = generate_all(stack["client"], prompts, **kw)
+        assert [text for text, _, _ in results] == reference, kw
+        assert all(finish in ("stop", "length") for _, finish, _ in results)
+        drafts = sum(spec["draft_tokens"] for _, _, spec in results)
         if kw.get("k") == 0:
             assert drafts == 0
         else:
             assert drafts > 0, f"no speculation happened with {kw}"
-            accepted = sum(last.spec.accepted_tokens for _, last in results)
+            accepted = sum(spec["accepted_tokens"] for _, _, spec in results)
             assert 0 < accepted <= drafts
 
 
-def test_unknown_drafter_and_bad_params_are_invalid_argument(stack, prompts):
-    stub = stack["stub"]
-    with pytest.raises(grpc.RpcError) as e:
-        generate(stub, prompts[0], drafter="nope")
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown drafter 'nope'" in e.value.details()
+def test_unknown_drafter_and_bad_params_are_client_errors(stack, prompts):
+    with pytest.raises(openai.BadRequestError) as e:
+        generate(stack["client"], prompts[0], drafter="nope")
+    assert "unknown drafter 'nope'" in str(e.value)
+    stub = stack["stub"]  # the verifier's own contract: INVALID_ARGUMENT with the reason
     bad = pb.GenerateRequest(prompt_token_ids=prompts[0], params=pb.SamplingParams(max_tokens=0, top_p=1))
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(bad, timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
-        generate(stub, [5000])
+        list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[5000], params=params_to_proto(SamplingParams())),
+                           timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in e.value.details()
 
 
 def test_drafter_sigkill_mid_stream_then_restart(stack, prompts, reference):
-    stub, launcher, dm = stack["stub"], stack["launcher"], stack["dm"]
+    stub, client, launcher, dm = stack["stub"], stack["client"], stack["launcher"], stack["dm"]
     with ThreadPoolExecutor(8) as ex:
-        running = [ex.submit(generate, stub, p, drafter="dm", max_tokens=MAX_TOKENS) for p in prompts[:8]]
+        running = [ex.submit(generate, client, p, drafter="dm") for p in prompts[:8]]
         time.sleep(0.3)
         dm.proc.send_signal(signal.SIGKILL)
         results = [f.result() for f in running]
-    assert [t for t, _ in results] == reference[:8]
+    assert [text for text, _, _ in results] == reference[:8]
     _wait(lambda: not _drafters(stub)["dm"].healthy, what="dm unhealthy")
     assert _drafters(stub)["dm"].state == "unhealthy"
     # Requests keep working meanwhile (on the other drafter or none).
-    assert generate(stub, prompts[8])[0] == reference[8]
+    assert generate(client, prompts[8])[0] == reference[8]
     restarted = launcher.start("drafter-dm-restarted", "drafter", dm.argv[dm.argv.index("--method"):],
                                port=int(dm.address.rsplit(":", 1)[1]))
     stack["dm"] = restarted
     _wait(lambda: _drafters(stub)["dm"].healthy, timeout=30, what="dm healthy again")
-    tokens, last = generate(stub, prompts[9], drafter="dm")
-    assert tokens == reference[9] and last.spec.draft_tokens > 0
+    text, _, spec = generate(client, prompts[9], drafter="dm")
+    assert text == reference[9] and spec["draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("mode", [*GARBAGE_MODES, "hang"])
@@ -146,16 +159,16 @@ def test_misbehaving_drafter_never_corrupts_output(stack, prompts, reference, mo
     server, servicer, address = start_faulty(mode, info.vocab_size, info.vocab_hash)
     try:
         stub.RegisterDrafter(pb.RegisterDrafterRequest(name=mode, address=address), timeout=10)
-        results = generate_all(stub, prompts[:4], drafter=mode)
-        assert [t for t, _ in results] == reference[:4]
+        results = generate_all(stack["client"], prompts[:4], drafter=mode)
+        assert [text for text, _, _ in results] == reference[:4]
         assert servicer.batches > 1, "the faulty drafter was never asked"
         if mode == "hang":  # taken out of rotation after missed deadlines (it answers probes, so it flaps)
             assert _drafters(stub)[mode].timeouts >= 2
             assert "deadline" in _drafters(stub)[mode].last_error
         elif mode in ("random_ids", "too_many"):  # well-formed (too_many is cut at k): verified, rejected
-            assert sum(last.spec.draft_tokens for _, last in results) > 0
+            assert sum(spec["draft_tokens"] for _, _, spec in results) > 0
         else:  # malformed drafts are dropped before verification
-            assert sum(last.spec.draft_tokens for _, last in results) == 0
+            assert sum(spec["draft_tokens"] for _, _, spec in results) == 0
     finally:
         stub.RemoveDrafter(pb.RemoveDrafterRequest(name=mode, drain=False), timeout=10)
         servicer.stop.set()
@@ -178,10 +191,10 @@ def test_runtime_swap_under_load(stack, prompts, reference):
 
     swapper = threading.Thread(target=swap)
     swapper.start()
-    results = generate_all(stub, prompts)  # 16 streams, default routing
+    results = generate_all(stack["client"], prompts)  # 16 streams, default routing
     swapper.join()
     assert not errors
-    assert [t for t, _ in results] == reference
+    assert [text for text, _, _ in results] == reference
     assert set(_drafters(stub)) == {"ng", "dm2"}
     # put the pool back as the other tests expect it
     stub.RegisterDrafter(pb.RegisterDrafterRequest(name="dm", address=stack["dm"].address), timeout=30)
@@ -206,8 +219,8 @@ def test_vocabulary_mismatch_refused(stack, tmp_path, model_dirs):
         launcher.stop(d)
 
 
-def test_cancelled_stream_frees_kv_blocks(stack, prompts):
-    stub, port = stack["stub"], stack["metrics_port"]
+def test_client_disconnect_frees_kv_blocks(stack, prompts):
+    port = stack["metrics_port"]
 
     def kv_used():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -217,10 +230,11 @@ def test_cancelled_stream_frees_kv_blocks(stack, prompts):
         raise AssertionError("no specd_verifier_kv_blocks_used gauge")
 
     _wait(lambda: kv_used() == 0, what="idle verifier")
-    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
-    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[0], params=params), timeout=60)
-    next(call)
-    next(call)
-    assert kv_used() > 0
-    call.cancel()
-    _wait(lambda: kv_used() == 0, timeout=10, what="KV freed after cancel")
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"http://{stack['gateway'].address}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert kv_used() > 0
+    # leaving the block closed the connection mid-stream
+    _wait(lambda: kv_used() == 0, timeout=10, what="KV freed after the client went away")

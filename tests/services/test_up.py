@@ -1,0 +1,89 @@
+"""`specd up` brings the whole stack up on loopback, and `specd drafters` manages its pool;
+SIGTERM stops every process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from specd.demo_paths import demo_model_dir
+from specd.sampling import SamplingParams
+
+MODEL = "specd-demo-target"
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _specd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def up(launcher):
+    ports = {name: launcher.free_port() for name in ("http", "verifier", "drafter", "drafter2", "metrics")}
+    # drafter ports count up from --drafter-port: make sure the second one is free too
+    while _port_open(ports["drafter"] + 1):
+        ports["drafter"] = launcher.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--port", str(ports["http"]),
+                             "--verifier-port", str(ports["verifier"]), "--drafter-port", str(ports["drafter"]),
+                             "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    line = proc.stdout.readline()  # blocks until the stack is healthy (or it gave up)
+    if "specd is up" not in line:
+        proc.kill()
+        pytest.fail(f"specd up did not come up: {line!r}\n{proc.stderr.read()[-3000:]}")
+    yield dict(proc=proc, ports=ports, line=line)
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_up_serves_the_demo_pair_with_speculation(up):
+    assert f"http://127.0.0.1:{up['ports']['http']}/v1" in up["line"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up['ports']['http']}/v1", api_key="x", max_retries=0)
+    from specd.llm import LLM
+
+    prompt = "def fibonacci(n):\n    "
+    (ref,) = LLM(str(demo_model_dir("target"))).generate([prompt], SamplingParams(temperature=0, max_tokens=32))
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    assert out.choices[0].text == ref.text
+    assert out.usage.model_extra["speculative"]["draft_tokens"] > 0
+
+
+def test_drafters_cli_lists_removes_and_adds(up):
+    verifier = f"127.0.0.1:{up['ports']['verifier']}"
+    listed = _specd("drafters", "--verifier", verifier, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["name"], r["method"], r["healthy"]) for r in rows] == [("draft_model", "draft_model", True),
+                                                                       ("ngram", "ngram", True)]
+    assert _specd("drafters", "--verifier", verifier, "remove", "ngram").returncode == 0
+    names = [json.loads(line)["name"] for line in _specd("drafters", "--verifier", verifier, "list", "--json").stdout.splitlines()]
+    assert names == ["draft_model"]
+    added = _specd("drafters", "--verifier", verifier, "add", "ngram-again", f"127.0.0.1:{up['ports']['drafter'] + 1}")
+    assert added.returncode == 0 and json.loads(added.stdout)["healthy"] is True
+    table = _specd("drafters", "--verifier", verifier, "list").stdout
+    assert "ngram-again" in table and "draft_model" in table
+    missing = _specd("drafters", "--verifier", verifier, "remove", "nope")
+    assert missing.returncode == 1 and missing.stderr.startswith("error: not_found: no drafter named 'nope'")
+
+
+def test_sigterm_stops_every_process(up):
+    proc, ports = up["proc"], up["ports"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(_port_open(ports[p]) for p in ("http", "verifier")) or _port_open(ports["drafter"]):
+        assert time.monotonic() < deadline, "a service still listens after specd up stopped"
+        time.sleep(0.2)
