@@ -63,8 +63,10 @@ def run(args) -> int:
 
     from specd.cli import set_threads
     from specd.grpc_server import install_uvloop, serve, setup_logging
+    from specd.telemetry import setup_tracing
 
     setup_logging(args.log_level)
+    setup_tracing("specd-drafter")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
     proposer, info = build_proposer(args)
     install_uvloop()

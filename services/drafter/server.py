@@ -14,11 +14,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
 from specd.drafter.proposers.base import ProposeRequest
+from specd.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specd.drafter")
+_tracer = tracer("specd.drafter")
 
 
 class SequenceKeys:
@@ -76,18 +79,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Propose(self, request_iterator, context):
         loop = asyncio.get_running_loop()
         async for batch in request_iterator:
-            t0 = time.perf_counter_ns()
-            released = self.keys.pop(batch.client_id, batch.release)
-            requests = [self._request(batch.client_id, e) for e in batch.entries]
-            proposals = await loop.run_in_executor(self.worker, self._propose, requests, released)
-            out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id, propose_ns=time.perf_counter_ns() - t0)
-            for entry, p in zip(batch.entries, proposals):
-                msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync)
-                for ids, probs in zip(p.q_ids or [], p.q_probs or []):
-                    msg.q.add(ids=ids, probs=probs)
-            if self.metrics is not None:
-                self.metrics.observe_batch(len(batch.entries), sum(len(p.token_ids) for p in proposals),
-                                           (time.perf_counter_ns() - t0) / 1e9)
+            # One span per batch, child of the verifier's step span (the batch's traceparent).
+            with _tracer.start_as_current_span("drafter.propose", context=context_from_traceparent(batch.traceparent),
+                                               kind=trace.SpanKind.SERVER) as span:
+                t0 = time.perf_counter_ns()
+                released = self.keys.pop(batch.client_id, batch.release)
+                requests = [self._request(batch.client_id, e) for e in batch.entries]
+                proposals = await loop.run_in_executor(self.worker, self._propose, requests, released)
+                out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id, propose_ns=time.perf_counter_ns() - t0)
+                for entry, p in zip(batch.entries, proposals):
+                    msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync)
+                    for ids, probs in zip(p.q_ids or [], p.q_probs or []):
+                        msg.q.add(ids=ids, probs=probs)
+                num_drafts = sum(len(p.token_ids) for p in proposals)
+                if self.metrics is not None:
+                    self.metrics.observe_batch(len(batch.entries), num_drafts, (time.perf_counter_ns() - t0) / 1e9)
+                if span.is_recording():
+                    span.set_attributes({"specd.drafter": self.info.name, "specd.batch_size": len(batch.entries),
+                                         "specd.spec.draft_tokens": num_drafts, "specd.released": len(released)})
             yield out
 
     def _request(self, client: str, e: drafter_pb2.ProposeEntry) -> ProposeRequest:

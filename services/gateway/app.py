@@ -10,6 +10,7 @@ import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
+from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -17,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specd.telemetry import tracer
 from specd.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -31,6 +33,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest, read_json
 
 HEALTH_TIMEOUT_S = 2.0
 Handler = Callable[[Request], Awaitable[Response]]
+TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
+_tracer = tracer("specd.gateway")
 
 
 class ClientGone(Exception):
@@ -77,6 +81,11 @@ class Gateway:
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
                                         prompt_param="messages" if chat else "prompt")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        span = trace.get_current_span()  # TraceRequests' span (the no-op span when tracing is off)
+        if span.is_recording():
+            span.set_attributes({"gen_ai.request.model": self.model.name, "specd.request_id": request_id,
+                                 "gen_ai.usage.input_tokens": len(prompt_ids),
+                                 "specd.stream": bool(body.stream)})
         job = Job(request_id=request_id, prompt_ids=prompt_ids, params=body.sampling_params(max_tokens),
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival)
@@ -196,6 +205,27 @@ class CountRequests:
             self.metrics.requests.labels(route.path if route is not None else "other", str(status)).inc()
 
 
+class TraceRequests:
+    """One span per generation request, around its whole handling (an SSE body included);
+    the handler and generate() add model, token counts and finish reason to it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS:
+            return await self.app(scope, receive, send)
+        with _tracer.start_as_current_span(f"gateway {scope['path']}", kind=trace.SpanKind.SERVER) as span:
+            async def send_and_note(message) -> None:
+                if message["type"] == "http.response.start" and span.is_recording():
+                    span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:
+                        span.set_status(trace.StatusCode.ERROR)
+                await send(message)
+
+            await self.app(scope, receive, send_and_note)
+
+
 def require_key(key: str | None, handler: Handler) -> Handler:
     if key is None:
         return handler
@@ -241,6 +271,6 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
         Route("/admin/drafters/{name}", require_key(adm, drafters.remove), methods=["DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=gw.lifespan,
-                    middleware=[Middleware(CountRequests, metrics=gw.metrics)],
+                    middleware=[Middleware(CountRequests, metrics=gw.metrics), Middleware(TraceRequests)],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                                         ClientDisconnect: _client_gone, Exception: _internal_error})

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from specd.sampling import SamplingParams
+from specd.telemetry import inject_metadata
 from specd.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2
 from specd.wire import params_to_proto, spec_to_dict
@@ -50,9 +52,10 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
     """
     detok = IncrementalDetokenizer(tokenizer, job.prompt_ids)
     stops = StopStrings(job.stop)
+    span = trace.get_current_span()  # the gateway's request span: its context travels in the metadata
     call = stub.Generate(verifier_pb2.GenerateRequest(
         request_id=job.request_id, prompt_token_ids=job.prompt_ids,
-        params=params_to_proto(job.params, drafter=job.drafter)))
+        params=params_to_proto(job.params, drafter=job.drafter)), metadata=inject_metadata())
     timer = metrics.track(job.arrival)
     completed = False
     try:
@@ -72,6 +75,9 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
                     await _abort(stub, job.request_id)
                 finish = "stop"
             completed = finish is not None
+            if completed and span.is_recording():
+                span.set_attributes({"gen_ai.usage.output_tokens": chunk.completion_tokens,
+                                     "gen_ai.response.finish_reasons": [finish]})
             yield Step(text=text, token_ids=list(chunk.token_ids),
                        logprobs=list(chunk.logprobs) if job.params.want_logprobs else None,
                        text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,

@@ -33,11 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
+    from specd.telemetry import setup_tracing
+
     config = GatewayConfig(verifier=args.verifier, host=args.host, port=args.port, api_key=args.api_key,
                            admin_key=args.admin_key, tokenizer=args.tokenizer,
                            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                            verifier_wait_s=args.verifier_wait)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.
     return uvloop.run(_serve(config, args.log_level))
 

@@ -8,16 +8,21 @@ by the loop task between steps; the step itself runs alone on the worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from specd.engine.llm_engine import LLMEngine
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
+from specd.telemetry import tracer
 
 log = logging.getLogger("specd.verifier.engine")
+_tracer = tracer("specd.verifier")
 
 
 @dataclass
@@ -47,6 +52,7 @@ class _Request:
     sent: int = 0
     arrival: float = field(default_factory=time.monotonic)
     last_emit: float | None = None
+    span_context: trace.SpanContext | None = None  # its verifier.generate span, when traced
 
 
 class AsyncEngine:
@@ -69,7 +75,7 @@ class AsyncEngine:
 
     # -- requests (event loop) ------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               drafter: str | None = None) -> _Request:
+               drafter: str | None = None, span_context: trace.SpanContext | None = None) -> _Request:
         """Validate and queue a request; raises ValueError (a client error) right away."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -79,7 +85,7 @@ class AsyncEngine:
                 raise ValueError("this verifier has no drafter pool (it runs without speculation "
                                  "or with an in-process proposer)")
             self.pool.check_choice(drafter)
-        req = _Request(request_id, list(prompt_token_ids), params, drafter)
+        req = _Request(request_id, list(prompt_token_ids), params, drafter, span_context=span_context)
         self.requests[request_id] = req
         self._to_add.append(req)
         self._wake.set()
@@ -136,12 +142,21 @@ class AsyncEngine:
                 await self._wake.wait()
             return
         t0 = time.perf_counter()
-        try:
-            finished = await loop.run_in_executor(self._worker, self.engine.step)
-        except Exception as e:  # noqa: BLE001 — fail the requests in flight, keep serving
-            log.exception("engine step failed")
-            self._fail_all(e)
-            return
+        with self._step_span() as span:
+            before = self._step_counts() if span.is_recording() else None
+            try:
+                # The worker runs the step in a copy of this context, so the drafter pool's
+                # propose (called from the step) sees the step span as its parent.
+                finished = await loop.run_in_executor(self._worker, contextvars.copy_context().run, self.engine.step)
+            except Exception as e:  # noqa: BLE001 — fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
+                self._fail_all(e)
+                return
+            if before is not None:
+                after = self._step_counts()
+                span.set_attributes({"specd.batch_size": len(self.engine.scheduler.running) + len(finished),
+                                     **{k: after[k] - before[k] for k in after}})
         self._emit()
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
@@ -149,6 +164,24 @@ class AsyncEngine:
             self._export_gauges()
             if self.engine.speculator is not None:
                 self.metrics.export_spec(self.engine.speculator.stats_by_drafter)
+
+    def _step_span(self):
+        """The step serves many requests but a span has one parent: the oldest traced request in
+        flight is the parent, and every traced request in flight gets a link (none when untraced)."""
+        traced = [r.span_context for r in self.requests.values() if r.span_context is not None and r.seq is not None]
+        if not traced:
+            return _tracer.start_as_current_span("verifier.step")
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(traced[0]))
+        return _tracer.start_as_current_span("verifier.step", context=parent,
+                                             links=[trace.Link(c) for c in traced])
+
+    def _step_counts(self) -> dict[str, int]:
+        """Running totals whose difference over a step describes it (read only when traced)."""
+        stats = list(self.engine.speculator.stats_by_drafter.values()) if self.engine.speculator else []
+        return {"specd.step.tokens": self.engine.timings.forward_tokens,
+                "specd.spec.drafts": sum(s.drafts for s in stats),
+                "specd.spec.draft_tokens": sum(s.draft_tokens for s in stats),
+                "specd.spec.accepted_tokens": sum(s.accepted_tokens for s in stats)}
 
     def _apply_pending(self) -> None:
         adds, self._to_add = self._to_add, []
@@ -185,6 +218,7 @@ class AsyncEngine:
             return
         now = time.monotonic()
         if self.metrics is not None and new:
+            self.metrics.generation_tokens.inc(len(new))
             if req.sent == 0:
                 self.metrics.ttft.observe(now - req.arrival)
             elif req.last_emit is not None:
@@ -198,6 +232,7 @@ class AsyncEngine:
             self.requests.pop(req.request_id, None)
             if self.metrics is not None:
                 self.metrics.requests.labels(reason).inc()
+                self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
                 self.metrics.e2e.observe(now - req.arrival)
 
     def _fail_all(self, error: BaseException) -> None:

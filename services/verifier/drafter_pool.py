@@ -15,6 +15,7 @@ import logging
 import uuid
 
 from specd.drafter.proposers.base import Proposal, ProposeRequest
+from specd.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
 from specd.verifier.drafter_client import DrafterClient
 
@@ -32,6 +33,8 @@ class DrafterPool:
         self.seq_drafter: dict[int, str] = {}  # where each sequence's drafter-side state lives
         self.seq_choice: dict[int, str] = {}  # a request's own drafter choice
         self.metrics = metrics
+        if metrics is not None:
+            metrics.watch_drafters(lambda: self.drafters)
         self._background: set[asyncio.Task] = set()
 
     # -- administration --------------------------------------------------------
@@ -65,8 +68,6 @@ class DrafterPool:
             await client.drain(self.timeout_s * 2)
         self.drafters.pop(name, None)
         await client.close()
-        if self.metrics is not None:
-            self.metrics.drafter_healthy.labels(name).set(0)
         log.info("drafter %s removed", name)
 
     async def close(self) -> None:
@@ -86,11 +87,6 @@ class DrafterPool:
                 propose_p50_ms=c.rtt_quantile(0.5) * 1e3, propose_p99_ms=c.rtt_quantile(0.99) * 1e3,
                 timeouts=c.timeouts, last_error=c.last_error))
         return out
-
-    def export_health(self) -> None:
-        if self.metrics is not None:
-            for name, c in self.drafters.items():
-                self.metrics.drafter_healthy.labels(name).set(1 if c.healthy else 0)
 
     # -- requests ----------------------------------------------------------------
     def check_choice(self, name: str | None) -> None:
@@ -152,11 +148,12 @@ class DrafterPool:
         results = await asyncio.gather(*(self._ask(self.drafters[n], reqs) for n, reqs in groups.items()))
         for proposals in results:
             out.extend(proposals)
-        self.export_health()
         return out
 
     async def _ask(self, client: DrafterClient, requests: list[ProposeRequest]) -> list[Proposal]:
-        batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases)
+        # traceparent: the engine step's span (the step runs in a copy of the loop's context)
+        batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases,
+                                         traceparent=current_traceparent())
         client.releases = []
         for r in requests:
             entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens,

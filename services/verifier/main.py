@@ -48,8 +48,10 @@ def run(args) -> int:
     from specd.cli import default_model, set_threads
     from specd.config import EngineConfig, SpeculativeConfig
     from specd.grpc_server import install_uvloop, setup_logging
+    from specd.telemetry import setup_tracing
 
     setup_logging(args.log_level)
+    setup_tracing("specd-verifier")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
     model = args.model or default_model()
     if model is None:

@@ -6,6 +6,7 @@ drafter; a request that never speculated adds nothing to them.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from specd.engine.spec_stats import SpecStats
 from specd.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, serve_metrics
@@ -45,8 +46,10 @@ class VerifierMetrics:
                                         ["drafter", "position"], registry=r)
         self.propose_rtt = Histogram("specd_verifier_propose_rtt_seconds", "Propose round trip per drafter",
                                      labels, buckets=RTT_BUCKETS, registry=r)
-        self.drafter_healthy = Gauge("specd_verifier_drafter_healthy", "1 when the drafter takes traffic",
-                                     labels, registry=r)
+        self.prompt_tokens = Counter("specd_verifier_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("specd_verifier_generation_tokens", "Tokens generated (emitted)",
+                                         registry=r)
         self._exported: dict[str, SpecStats] = {}
 
     def export_spec(self, stats_by_drafter: dict[str, SpecStats]) -> None:
@@ -63,5 +66,22 @@ class VerifierMetrics:
                 self.accepted_per_pos.labels(name, str(pos)).inc(count - before)
             self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos))
 
+    def watch_drafters(self, drafters) -> None:
+        """specd_verifier_drafter_healthy{drafter}, read at scrape time from drafters() (name -> client),
+        so it is right while the verifier idles; a removed drafter's series goes away."""
+        self.registry.register(_DrafterHealth(drafters))
+
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> None:
         serve_metrics(self.registry, port, host)
+
+
+class _DrafterHealth:
+    def __init__(self, drafters):
+        self.drafters = drafters
+
+    def collect(self):
+        gauge = GaugeMetricFamily("specd_verifier_drafter_healthy", "1 when the drafter takes traffic",
+                                  labels=["drafter"])
+        for name, client in list(self.drafters().items()):
+            gauge.add_metric([name], 1.0 if client.healthy else 0.0)
+        yield gauge

@@ -5,11 +5,15 @@ import asyncio
 import uuid
 
 import grpc
+from opentelemetry import trace
 
+from specd.telemetry import extract_metadata, tracer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.verifier.async_engine import AsyncEngine, EngineFailure
 from specd.verifier.drafter_client import VocabularyMismatch
 from specd.wire import params_from_proto
+
+_tracer = tracer("specd.verifier")
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
@@ -17,12 +21,24 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.engine, self.info = engine, info
 
     async def Generate(self, request, context):
+        # One span per request, child of the caller's (W3C trace context in the call's metadata);
+        # the engine's step spans link to it.
+        parent = extract_metadata(context.invocation_metadata())
+        with _tracer.start_as_current_span("verifier.generate", context=parent, kind=trace.SpanKind.SERVER) as span:
+            async for chunk in self._generate(request, context, span):
+                yield chunk
+
+    async def _generate(self, request, context, span):
         try:
             params = params_from_proto(request.params)
             req = self.engine.submit(request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids),
-                                     params, request.params.drafter or None)
+                                     params, request.params.drafter or None,
+                                     span_context=span.get_span_context() if span.is_recording() else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if span.is_recording():
+            span.set_attributes({"specd.request_id": req.request_id,
+                                 "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
         try:
             async for d in self.engine.stream(req):
                 chunk = verifier_pb2.GenerateChunk(token_ids=d.token_ids, logprobs=d.logprobs,
@@ -33,6 +49,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 chunk.spec.draft_tokens = d.spec["draft_tokens"]
                 chunk.spec.accepted_tokens = d.spec["accepted_tokens"]
                 chunk.spec.accepted_per_pos.extend(d.spec["accepted_per_pos"])
+                if d.finish_reason and span.is_recording():
+                    span.set_attributes({"gen_ai.usage.output_tokens": d.completion_tokens,
+                                         "gen_ai.response.finish_reasons": [d.finish_reason],
+                                         "specd.spec.drafts": d.spec["drafts"],
+                                         "specd.spec.draft_tokens": d.spec["draft_tokens"],
+                                         "specd.spec.accepted_tokens": d.spec["accepted_tokens"]})
                 yield chunk
         except EngineFailure as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))

@@ -47,16 +47,18 @@ class ProposeEntry(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
-    __slots__ = ("client_id", "batch_id", "entries", "release")
+    __slots__ = ("client_id", "batch_id", "entries", "release", "traceparent")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     batch_id: int
     entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, client_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
