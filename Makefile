@@ -25,3 +25,12 @@ bench-engine: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Docker: the images on a local base image (deploy/build-base-image.sh: debootstrap, for
+# machines without an image registry; SPECD_BASE_IMAGE=python:3.11-slim skips it), then
+# compose.yaml end to end (tests/compose, -m docker). Leaves no containers behind.
+.PHONY: compose-test
+SPECD_BASE_IMAGE ?= specd-base:bookworm
+compose-test: install
+	if [ "$(SPECD_BASE_IMAGE)" = "specd-base:bookworm" ]; then deploy/build-base-image.sh; fi
+	SPECD_BASE_IMAGE=$(SPECD_BASE_IMAGE) $(PY) -m pytest -m docker tests/compose -v -s

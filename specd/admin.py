@@ -1,10 +1,11 @@
-"""`specd drafters list | add NAME ADDR | remove NAME`: the verifier's drafter pool, over gRPC."""
+"""`specd drafters list | add NAME ADDR | remove NAME | swap --old NAME --image IMAGE`: the verifier's
+drafter pool, over gRPC (swap also drives Docker: specd/docker_swap.py)."""
 from __future__ import annotations
 
 import argparse
 import json
 
-HELP = "list, add or remove the verifier's drafters at runtime"
+HELP = "list, add, remove or swap (Docker) the verifier's drafters at runtime"
 STATUS_FIELDS = ("name", "address", "method", "state", "acceptance_rate", "draft_tokens", "propose_p50_ms",
                  "timeouts", "last_error")
 
@@ -21,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rm = sub.add_parser("remove", help="drain and remove a drafter")
     rm.add_argument("name")
     rm.add_argument("--no-drain", action="store_true", help="drop in-flight proposals instead of draining")
+    from specd import docker_swap
+
+    docker_swap.add_arguments(sub)
 
 
 def status_dict(status) -> dict:
@@ -44,6 +48,10 @@ def run(args) -> int:
                 reply = stub.RegisterDrafter(verifier_pb2.RegisterDrafterRequest(name=args.name, address=args.address),
                                              timeout=args.timeout)
                 print(json.dumps(status_dict(reply.drafter)))
+            elif args.action == "swap":
+                from specd.docker_swap import swap
+
+                return swap(args, stub)
             else:
                 stub.RemoveDrafter(verifier_pb2.RemoveDrafterRequest(name=args.name, drain=not args.no_drain),
                                    timeout=args.timeout)
