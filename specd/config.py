@@ -41,9 +41,6 @@ def format_validation_error(err: Exception) -> str:
     return str(err)
 
 
-SPEC_METHODS = ("ngram", "suffix", "draft_model")
-
-
 class SpeculativeConfig(BaseModel):
     """`--speculative-config` JSON, with vLLM's key names where vLLM has one."""
 

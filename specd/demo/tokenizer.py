@@ -25,9 +25,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train byte-level BPE on texts in the order given (callers pass sorted files)."""
     tok = Tokenizer(models.BPE())
