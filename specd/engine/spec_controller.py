@@ -2,11 +2,16 @@
 
 Cost model (DESIGN §8), measured online:
   verify time  V(T) = a + b·T, T = tokens in the forward (least squares, forgetting old steps)
-  draft time   d per draft step (proposers draft all sequences of a step together)
+  draft time   D(n) = c + e·n per draft step, n = sequences drafting (proposers draft all
+               sequences of a step together, so one exploring sequence costs far less
+               than the whole batch: a single per-step number made batch 32 look cheap)
   acceptance   α per sequence (geometric MLE: accepted / (accepted + rejections))
 Expected tokens from k drafts: E(k) = (1 − α^{k+1}) / (1 − α). The controller picks the
-k that maximises Σ E / (V(T0 + Σk) + d·k); k = 0 (speculation off) wins when the
-target is compute-bound (large batch) or acceptance is low.
+k that maximises Σ E / (V(T0 + Σk) + D(n)·k); k = 0 (speculation off) wins when the
+target is compute-bound (large batch) or acceptance is low. Turning speculation on must
+beat k = 0 by SWITCH_MARGIN: what the model leaves out (the drafter catching up on a
+sequence's history when speculation turns on, ragged finishing of a batch) all costs
+speculation, so a predicted gain of a few percent is a loss in practice.
 """
 from __future__ import annotations
 
@@ -14,7 +19,14 @@ from dataclasses import dataclass
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
-EXPLORE_EVERY = 8  # every n-th step one sequence drafts at full k, so α estimates stay fresh
+# Where speculation is off, one sequence at a time drafts at full k so acceptance estimates
+# stay fresh; those explorations may spend at most this share of verify time (on the demo
+# pair at batch 32 a draft_model exploration costs ~5 ms, the drafter catching up on the
+# sequence's history, against an 18 ms step: a fixed every-8th-step cost 3.5%).
+EXPLORE_SHARE = 0.02
+# Measured on the demo pair, 2-core CPU, batch 32: k = 1 was predicted 5% faster than k = 0
+# and ran 8% slower; at batch 1 the predicted gains are 30-60%, far above this margin.
+SWITCH_MARGIN = 1.10
 
 
 class LinearCost:
@@ -61,10 +73,12 @@ class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
         self.verify_cost = LinearCost()
-        self.draft_step_seconds = 0.0
+        self.draft_cost = LinearCost(decay=0.9)  # seconds per draft step vs sequences drafting
         self.global_acceptance = _Acceptance()
         self.per_seq: dict[int, _Acceptance] = {}
         self.steps = 0
+        self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
+        self.explorations = 0
 
     def choose(self, seqs: list[tuple[int, int, int | None]], base_tokens: int) -> list[int]:
         """seqs: (seq_id, cap, override) per decoding sequence → k per sequence.
@@ -82,27 +96,39 @@ class SpecController:
         for k in range(self.max_k + 1):
             ks = [f if f is not None else min(k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
             tokens = sum(expected_tokens(a, ki) for a, ki in zip(alphas, ks))
-            seconds = self.verify_cost(base_tokens + sum(ks)) + self.draft_step_seconds * max(ks, default=0)
+            drafting = sum(1 for ki in ks if ki > 0)
+            seconds = self.verify_cost(base_tokens + sum(ks)) + self.draft_cost(drafting) * max(ks, default=0)
             rate = tokens / seconds if seconds > 0 else tokens
-            if rate > best_rate * 1.01:  # prefer the smaller k unless the larger one clearly pays
+            # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
+            if rate > best_rate * (SWITCH_MARGIN if best_k == 0 else 1.01):
                 best_k, best_rate = k, rate
         ks = [f if f is not None else min(best_k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
-        if self.steps % EXPLORE_EVERY == 0 and seqs:
-            # One sequence in turn drafts at full k, so acceptance estimates stay fresh
-            # when speculation is off, at the cost of a few extra tokens in one step.
-            i = (self.steps // EXPLORE_EVERY) % len(seqs)
-            if fixed[i] is None:
-                ks[i] = min(self.max_k, seqs[i][1])
+        self._explore(ks, fixed, seqs, base_tokens)
         return ks
+
+    def _explore(self, ks: list[int], fixed: list, seqs: list, base_tokens: int) -> None:
+        """Let one sequence that is not speculating draft at full k, when the budget allows."""
+        idle = [i for i, (k, f) in enumerate(zip(ks, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
+        if not idle:
+            self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
+            return
+        i = idle[self.explorations % len(idle)]
+        k = min(self.max_k, seqs[i][1])
+        tokens = base_tokens + sum(ks)
+        cost = self.draft_cost(1) * k + self.verify_cost(tokens + k) - self.verify_cost(tokens)
+        if self.explore_credit >= cost:
+            self.explore_credit = min(self.explore_credit - cost, cost)
+            self.explorations += 1
+            ks[i] = k
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)
+        self.explore_credit += EXPLORE_SHARE * seconds
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
-        if steps > 0:
-            per_step = seconds / steps
-            self.draft_step_seconds = per_step if self.draft_step_seconds == 0 else (
-                0.9 * self.draft_step_seconds + 0.1 * per_step)
+    def observe_draft(self, steps: int, num_seqs: int, seconds: float) -> None:
+        """A propose call: `steps` draft steps (the largest k) over `num_seqs` sequences."""
+        if steps > 0 and num_seqs > 0:
+            self.draft_cost.observe(num_seqs, seconds / steps)
 
     def observe_accept(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

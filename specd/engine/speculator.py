@@ -65,7 +65,7 @@ class Speculator:
             return
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
-        self.controller.observe_draft(max(r.k for r in requests), time.perf_counter() - t0)
+        self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0)
         by_id = {p.seq_id: p for p in proposals}
         for e, req in zip(entries, requests):
             p = by_id.get(e.seq.seq_id)

@@ -1,7 +1,7 @@
 """Speculation controller: k from the measured cost model and acceptance history."""
 from __future__ import annotations
 
-from specd.engine.spec_controller import EXPLORE_EVERY, MIN_SAMPLES, LinearCost, SpecController, expected_tokens
+from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, LinearCost, SpecController, expected_tokens
 from specd.engine.spec_stats import SpecStats
 
 
@@ -9,14 +9,15 @@ def _trained(verify, alpha: float, max_k: int = 4, seqs=range(32)) -> SpecContro
     c = SpecController(max_k)
     for t in range(1, 200, 7):
         c.observe_verify(t, verify(t))
-    c.observe_draft(4, 4 * 0.0001)
+    c.observe_draft(4, 1, 4 * 0.0001)
+    c.observe_draft(4, 32, 4 * 0.0032)
     for sid in seqs:
         for _ in range(50):  # a per-token acceptance of alpha, as geometric outcomes
             accepted = 0
             while accepted < 4 and (hash((sid, _, accepted)) % 1000) / 1000 < alpha:
                 accepted += 1
             c.observe_accept(sid, 4, accepted)
-    c.steps = 1  # keep clear of the exploration step
+    c.explore_credit = 0.0  # no exploration unless a test grants the budget
     return c
 
 
@@ -54,14 +55,32 @@ def test_override_and_cap_are_respected():
     assert c.choose([(0, 4, 0), (1, 2, None), (2, 4, 3)], base_tokens=3) == [0, 2, 3]
 
 
-def test_untrained_or_exploration_step_uses_full_k():
+def test_untrained_uses_full_k():
     c = SpecController(5)
     assert c.verify_cost.n < MIN_SAMPLES
     assert c.choose([(0, 5, None), (1, 2, None)], base_tokens=2) == [5, 2]
-    c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.1)
-    c.steps = EXPLORE_EVERY - 1  # the next step explores: exactly one sequence drafts at full k
-    ks = c.choose([(i, 4, None) for i in range(32)], base_tokens=32)
-    assert sorted(ks) == [0] * 31 + [4]
+
+
+def test_exploration_spends_a_bounded_share_of_verify_time():
+    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
+    c = _trained(verify, alpha=0.1)
+    c.explore_credit = 0.0
+    seqs = [(i, 4, None) for i in range(32)]
+    explored, verify_s, spent = [], 0.0, 0.0
+    for _ in range(400):
+        ks = c.choose(seqs, base_tokens=32)
+        assert sorted(ks) in ([0] * 32, [0] * 31 + [4])  # at most one sequence, at full k
+        tokens = 32 + sum(ks)
+        c.observe_verify(tokens, verify(tokens))
+        verify_s += verify(tokens)
+        if any(ks):
+            explored.append(ks.index(4))
+            spent += c.draft_cost(1) * 4 + verify(tokens) - verify(32)
+    assert len(explored) >= 10 and len(set(explored[:32])) == min(len(explored), 32)  # in turn
+    assert spent <= EXPLORE_SHARE * verify_s + spent / len(explored)  # within the budget (+ one)
+    # A sequence whose request fixed k = 0 is never explored.
+    c.explore_credit = 1.0
+    assert c.choose([(0, 4, 0)], base_tokens=1) == [0]
 
 
 def test_spec_stats_counts_and_ratios():
