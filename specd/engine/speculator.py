@@ -65,7 +65,11 @@ class Speculator:
             return
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
-        self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0)
+        if any(p.token_ids for p in proposals):
+            # A call that drafted nothing (a drafter past its deadline, down, or out of sync)
+            # says nothing about drafting cost; timed, one 250 ms deadline would price drafting
+            # out for long after the drafter recovered.
+            self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0)
         by_id = {p.seq_id: p for p in proposals}
         for e, req in zip(entries, requests):
             p = by_id.get(e.seq.seq_id)
