@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --retrain: tiny models, a corpus slice and a few steps (seconds)")
     parser.add_argument("--target-steps", type=int, default=None, help="override the target's step budget")
     parser.add_argument("--drafter-steps", type=int, default=None, help="override the drafter's step budget")
+    parser.add_argument("--reuse-target", type=Path, default=None,
+                        help="with --retrain: take the target of an earlier run's models folder (same settings) "
+                             "and train only the drafter; gives the same weights as a full run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +74,7 @@ def _retrain(args: argparse.Namespace, out: Path) -> int:
             if value < 1:
                 raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {value}")
             spec = replace(spec, **{field: value})
-    report = build_pair(spec, out, device=args.device, threads=args.threads)
+    report = build_pair(spec, out, device=args.device, threads=args.threads, reuse_target=args.reuse_target)
     e = report["eval"]
     print(f"wrote {out / TARGET_NAME} and {out / DRAFTER_NAME} in {report['wall_s'] / 60:.1f} min: "
           f"held-out loss target {e['target_loss']:.3f}, drafter {e['drafter_loss']:.3f}; "

@@ -18,3 +18,18 @@ def test_retrain_is_bit_identical(tmp_path, restore_torch_globals):
             assert a == b, f"{name}/{f} differs between two identical trainings"
     assert first["eval"] == second["eval"]  # same numbers, only timings may differ
     assert (tmp_path / "a" / "CHECKSUMS.sha256").is_file()
+
+
+def test_reusing_a_target_gives_the_full_runs_drafter(tmp_path, restore_torch_globals):
+    from dataclasses import replace
+
+    import pytest
+
+    build_pair(SMOKE, tmp_path / "full", threads=1)
+    build_pair(SMOKE, tmp_path / "reused", threads=1, reuse_target=tmp_path / "full")
+    for name in (TARGET_NAME, DRAFTER_NAME):
+        a = (tmp_path / "full" / name / "model.safetensors").read_bytes()
+        assert a == (tmp_path / "reused" / name / "model.safetensors").read_bytes(), name
+    with pytest.raises(ValueError, match="target_steps"):  # a target trained differently is refused
+        build_pair(replace(SMOKE, target_steps=SMOKE.target_steps + 1), tmp_path / "other", threads=1,
+                   reuse_target=tmp_path / "full")
