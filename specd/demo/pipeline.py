@@ -66,7 +66,11 @@ SMOKE = TrainSpec(vocab_size=384, target=TINY_TARGET_SIZE, drafter=TINY_DRAFTER_
                   sample_tokens=8)
 
 
-def build_pair(spec: TrainSpec, out: Path, device: str = "cpu", threads: int = 2) -> dict:
+def build_pair(spec: TrainSpec, out: Path, device: str = "cpu", threads: int = 2,
+               reuse_target: Path | None = None) -> dict:
+    """reuse_target: a models folder from an earlier run with the same spec; its target is
+    taken instead of trained. The drafter stage reads only the saved target, the token
+    stream and its own seeds, so the result equals a full run's."""
     t_start = time.perf_counter()
     set_determinism(spec.seed, threads)
     corpus = load_corpus()
@@ -89,13 +93,16 @@ def build_pair(spec: TrainSpec, out: Path, device: str = "cpu", threads: int = 2
         return Schedule(steps=steps, batch=spec.batch, context=spec.context, lr=lr,
                         warmup=min(spec.warmup, max(1, steps // 2)))
 
-    torch.manual_seed(spec.seed)
-    target = build_model(llama_config(spec.target, vocab, **ids)).to(device)
-    t_train = train_target(target, stream, schedule(spec.target_steps, spec.target_lr), spec.seed, device)
-    t_params = param_counts(target)
-    save_model(target, tdir, **ids)
-    del target
+    if reuse_target is None:
+        torch.manual_seed(spec.seed)
+        target = build_model(llama_config(spec.target, vocab, **ids)).to(device)
+        t_train = train_target(target, stream, schedule(spec.target_steps, spec.target_lr), spec.seed, device)
+        save_model(target, tdir, **ids)
+        del target
+    else:
+        t_train = _reused_target(Path(reuse_target), tdir, spec)
     target = load_model(tdir, device)  # distill from the shipped (bf16-rounded) weights
+    t_params = param_counts(target)
 
     torch.manual_seed(spec.seed + 1)
     drafter = build_model(llama_config(spec.drafter, vocab, **ids)).to(device)
@@ -133,6 +140,22 @@ def build_pair(spec: TrainSpec, out: Path, device: str = "cpu", threads: int = 2
     staging.rmdir()
     checksums.write_checksums(out, [TARGET_NAME, DRAFTER_NAME])
     return report
+
+
+def _reused_target(src: Path, tdir: Path, spec: TrainSpec) -> dict:
+    """Copy an earlier run's target into the staging folder; its training record comes along."""
+    report = json.loads((src / DRAFTER_NAME / EVAL_FILE).read_text(encoding="utf-8"))
+    earlier = spec_from_report(report)
+    for field in ("vocab_size", "target", "context", "batch", "target_steps", "target_lr", "warmup", "seed",
+                  "max_train_files"):
+        if getattr(earlier, field) != getattr(spec, field):
+            raise ValueError(f"--reuse-target {src}: its {field} is {getattr(earlier, field)!r}, "
+                             f"this run's is {getattr(spec, field)!r}")
+    if (src / TARGET_NAME / "tokenizer.json").read_bytes() != (tdir / "tokenizer.json").read_bytes():
+        raise ValueError(f"--reuse-target {src}: its tokenizer differs from the one just trained")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copyfile(src / TARGET_NAME / name, tdir / name)
+    return {**report["target"]["train"], "reused_from": str(src)}
 
 
 def render_cards(out: Path) -> None:
