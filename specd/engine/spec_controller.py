@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
-# Where speculation is off, one sequence at a time drafts at full k so acceptance estimates
-# stay fresh; those explorations may spend at most this share of verify time (on the demo
-# pair at batch 32 a draft_model exploration costs ~5 ms, the drafter catching up on the
-# sequence's history, against an 18 ms step: a fixed every-8th-step cost 3.5%).
+# Where speculation is off, one sequence drafts at full k now and then so acceptance
+# estimates stay fresh; those explorations may spend at most this share of verify time (on
+# the demo pair at batch 32 a draft_model exploration of a new sequence costs ~5 ms, the
+# drafter catching up on its whole history, against an 18 ms step: exploring every 8th
+# step cost 3.5%). The same sequence keeps exploring while it runs, so later explorations
+# only catch up on what it generated since.
 EXPLORE_SHARE = 0.02
 # Measured on the demo pair, 2-core CPU, batch 32: k = 1 was predicted 5% faster than k = 0
 # and ran 8% slower; at batch 1 the predicted gains are 30-60%, far above this margin.
@@ -78,7 +80,7 @@ class SpecController:
         self.per_seq: dict[int, _Acceptance] = {}
         self.steps = 0
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
-        self.explorations = 0
+        self.explore_seq: int | None = None  # the sequence that explores while it runs
 
     def choose(self, seqs: list[tuple[int, int, int | None]], base_tokens: int) -> list[int]:
         """seqs: (seq_id, cap, override) per decoding sequence → k per sequence.
@@ -112,13 +114,13 @@ class SpecController:
         if not idle:
             self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
             return
-        i = idle[self.explorations % len(idle)]
+        i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         k = min(self.max_k, seqs[i][1])
         tokens = base_tokens + sum(ks)
         cost = self.draft_cost(1) * k + self.verify_cost(tokens + k) - self.verify_cost(tokens)
         if self.explore_credit >= cost:
             self.explore_credit = min(self.explore_credit - cost, cost)
-            self.explorations += 1
+            self.explore_seq = seqs[i][0]
             ks[i] = k
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
