@@ -78,7 +78,6 @@ class SpecController:
         self.draft_cost = LinearCost(decay=0.9)  # seconds per draft step vs sequences drafting
         self.global_acceptance = _Acceptance()
         self.per_seq: dict[int, _Acceptance] = {}
-        self.steps = 0
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
         self.explore_seq: int | None = None  # the sequence that explores while it runs
 
@@ -88,7 +87,6 @@ class SpecController:
         cap bounds k by max_tokens / max_model_len / KV room; override is the request's
         own num_speculative_tokens (None: ours to choose; 0: off).
         """
-        self.steps += 1
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             return [f if f is not None else min(self.max_k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
