@@ -58,6 +58,37 @@ def batches(stream: torch.Tensor, sched: Schedule, seed: int, device: str):
         yield stream[idx].to(device)
 
 
+def greedy_pool(target, stream: torch.Tensor, sched: Schedule, rows: int, prompt_len: int, seed: int,
+                device: str, chunk: int = 64) -> torch.Tensor:
+    """[rows, context+1] windows: a training prefix of prompt_len tokens, then the target's
+    own greedy continuation. Acceptance is measured on text the target generates, which a
+    small model writes differently from the corpus (repeats, its own idioms), so the drafter
+    also learns from that text (on-policy distillation, as in DistillSpec)."""
+    from specd.demo.evaluate import greedy_continue  # evaluate does not import train
+
+    if not 0 < prompt_len <= sched.context:
+        raise ValueError(f"greedy prompt of {prompt_len} tokens does not fit a {sched.context}-token window")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - prompt_len, (rows,), generator=gen)
+    prompts = stream[starts[:, None] + torch.arange(prompt_len)[None, :]]
+    out = []
+    for i in tqdm(range(0, rows, chunk), desc="greedy pool", mininterval=5.0, dynamic_ncols=True):
+        out.append(greedy_continue(target, prompts[i : i + chunk], sched.context + 1 - prompt_len))
+    return torch.cat(out)
+
+
+def mixed_batches(stream: torch.Tensor, pool: torch.Tensor | None, share: float, sched: Schedule, seed: int,
+                  device: str):
+    """Corpus windows with the last round(share * batch) rows replaced by pool windows."""
+    take = round(share * sched.batch) if pool is not None else 0
+    gen = torch.Generator().manual_seed(seed + 7)
+    for batch in batches(stream, sched, seed, device):
+        if take:
+            rows = torch.randint(0, pool.shape[0], (take,), generator=gen)
+            batch = torch.cat([batch[: sched.batch - take], pool[rows].to(device)])
+        yield batch
+
+
 def _optimizer(model: torch.nn.Module, sched: Schedule) -> torch.optim.Optimizer:
     # No weight decay on norms (1-D); foreach=False keeps the update order fixed.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -105,8 +136,13 @@ def train_target(model, stream: torch.Tensor, sched: Schedule, seed: int, device
 
 
 def distill_drafter(drafter, target, stream: torch.Tensor, sched: Schedule, seed: int,
-                    device: str, ce_weight: float = 0.0) -> dict:
+                    device: str, ce_weight: float = 0.0, argmax_weight: float = 0.0,
+                    pool: torch.Tensor | None = None, pool_share: float = 0.0) -> dict:
     """Minimise KL(target || drafter) at temperature 1 on training windows.
+
+    argmax_weight adds cross-entropy on the target's greedy choice: KL spends the small
+    drafter's capacity on the whole distribution, while greedy acceptance only asks that
+    the two argmaxes agree. pool, pool_share: see `greedy_pool`.
 
     The target should already hold its shipped (bf16-rounded) weights, so the drafter
     learns to agree with exactly the model it will be verified against.
@@ -123,8 +159,11 @@ def distill_drafter(drafter, target, stream: torch.Tensor, sched: Schedule, seed
         d_logp = F.log_softmax(d_logits, dim=-1)
         kl = F.kl_div(d_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True,
                       reduction="batchmean")
+        if argmax_weight:
+            kl = kl + argmax_weight * F.cross_entropy(d_logits.flatten(0, 1), t_logp.argmax(-1).flatten())
         if ce_weight:
             kl = kl + ce_weight * F.cross_entropy(d_logits.flatten(0, 1), batch[:, 1:].flatten())
         return kl
 
-    return _run(drafter, sched, batches(stream, sched, seed + 1, device), loss_fn, "drafter")
+    data = mixed_batches(stream, pool, pool_share, sched, seed + 1, device)
+    return _run(drafter, sched, data, loss_fn, "drafter")
