@@ -65,8 +65,8 @@ def _common(r: dict, role: str) -> list[str]:
         "",
         f"{t['steps']:,} steps of {t['batch']} x {t['context']} tokens ({t['tokens']:,} tokens), AdamW "
         f"(betas 0.9/0.95, weight decay 0.1), peak lr {t['lr']}, {t['warmup']} warmup steps then cosine to 10%, "
-        f"grad clip 1.0. Wall time {t['wall_s'] / 60:.1f} min ({t['tokens_per_s']:,.0f} tokens/s); whole run "
-        f"including the other model and evaluation {r['wall_s'] / 60:.1f} min.",
+        f"grad clip 1.0. Wall time {t['wall_s'] / 60:.1f} min ({t['tokens_per_s']:,.0f} tokens/s); "
+        + _whole_run(r),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch thread(s), device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f"; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
@@ -113,6 +113,16 @@ def acceptance_section(r: dict) -> list[str]:
     return lines
 
 
+def _whole_run(r: dict) -> str:
+    tt = r["target"]["train"]
+    if "reused_from" not in tt:
+        return f"whole run including the other model and evaluation {r['wall_s'] / 60:.1f} min."
+    # --reuse-target: this run trained only the drafter; a full retrain adds the target's time.
+    return (f"the target was taken from an earlier run with the same settings (`--reuse-target`), this run "
+            f"(drafter and evaluation) took {r['wall_s'] / 60:.1f} min, so a full retrain takes about "
+            f"{(tt['wall_s'] + r['wall_s']) / 60:.0f} min.")
+
+
 def _sample(r: dict) -> list[str]:
     return ["## Sample", "", f"The target's greedy continuation of `{r['spec']['sample_prompt']!r}`:",
             "", "```python", r["eval"]["sample"], "```", ""]
@@ -126,7 +136,14 @@ def target_card(r: dict) -> str:
 
 
 def drafter_card(r: dict) -> str:
+    spec = r["spec"]
+    w, rows = spec.get("argmax_weight", 0.0), spec.get("greedy_rows", 0)
+    hard = f", plus {w:g} x cross-entropy on the target's greedy token" if w else ""
+    text = (f" {spec['greedy_share']:.0%} of each batch are windows of {spec['greedy_prompt']} corpus tokens "
+            f"followed by the target's own greedy continuation (a pool of {rows}), the kind of text the "
+            "drafter is verified on; the rest are corpus windows.") if rows else ""
     head = ["# specd-demo-drafter", "",
             "The drafter of specd's demo pair, distilled from `specd-demo-target` (KL divergence to the "
-            "frozen target's logits at temperature 1) so that its greedy drafts agree with the target.", ""]
+            f"frozen target's logits at temperature 1{hard}) so that its greedy drafts agree with the target."
+            + text, ""]
     return "\n".join(head + _common(r, "drafter") + acceptance_section(r))
