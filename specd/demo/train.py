@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specd.demo.evaluate import greedy_continue
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -64,8 +66,6 @@ def greedy_pool(target, stream: torch.Tensor, sched: Schedule, rows: int, prompt
     own greedy continuation. Acceptance is measured on text the target generates, which a
     small model writes differently from the corpus (repeats, its own idioms), so the drafter
     also learns from that text (on-policy distillation, as in DistillSpec)."""
-    from specd.demo.evaluate import greedy_continue  # evaluate does not import train
-
     if not 0 < prompt_len <= sched.context:
         raise ValueError(f"greedy prompt of {prompt_len} tokens does not fit a {sched.context}-token window")
     gen = torch.Generator().manual_seed(seed)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from specd.demo.models import DRAFTER_NAME, TARGET_NAME
 from specd.demo.pipeline import SMOKE, build_pair
 
@@ -21,10 +25,6 @@ def test_retrain_is_bit_identical(tmp_path, restore_torch_globals):
 
 
 def test_reusing_a_target_gives_the_full_runs_drafter(tmp_path, restore_torch_globals):
-    from dataclasses import replace
-
-    import pytest
-
     build_pair(SMOKE, tmp_path / "full", threads=1)
     build_pair(SMOKE, tmp_path / "reused", threads=1, reuse_target=tmp_path / "full")
     for name in (TARGET_NAME, DRAFTER_NAME):
