@@ -19,6 +19,8 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     logprobs: list[float] | None = None
+    # Per token when SamplingParams.logprobs = n > 0: the n most likely (token id, logprob), best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     spec: dict | None = None  # speculation counters when speculation was configured
 
     def to_dict(self) -> dict:
@@ -82,6 +84,8 @@ class LLM:
             text=text,
             finish_reason=seq.finish_reason,
             logprobs=seq.output_logprobs if seq.params.want_logprobs else None,
+            top_logprobs=[list(zip(ids, lps)) for ids, lps in seq.output_top_logprobs]
+            if seq.params.num_top_logprobs else None,
             spec=self._spec_dict(seq),
         )
 

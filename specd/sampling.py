@@ -26,7 +26,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # None/False: no logprobs; True or an int >= 0: logprob of each chosen token.
+    # None/False: no logprobs; True or 0: the logprob of each chosen token; an int n > 0: also
+    # the n most likely tokens at each position with theirs (vLLM's `logprobs=n`).
     logprobs: bool | int | None = None
     # Per-request speculation override: None = the controller decides, 0 = off, k = up to k drafts.
     num_speculative_tokens: int | None = None
@@ -83,3 +84,10 @@ class SamplingParams:
     @property
     def want_logprobs(self) -> bool:
         return self.logprobs is not None and self.logprobs is not False
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many most-likely alternatives to report per emitted token (0: none)."""
+        if not self.want_logprobs or isinstance(self.logprobs, bool):
+            return 0
+        return self.logprobs

@@ -27,6 +27,7 @@ class Step:
     text: str  # may be "" (held back: partial character or possible stop string)
     token_ids: list[int]
     logprobs: list[float] | None  # one per token id, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None  # per token id, the most likely first, when asked for
     text_offsets: list[int]  # where each token's text starts in the completion text
     finish_reason: str | None
     prompt_tokens: int
@@ -80,6 +81,8 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
                                      "gen_ai.response.finish_reasons": [finish]})
             yield Step(text=text, token_ids=list(chunk.token_ids),
                        logprobs=list(chunk.logprobs) if job.params.want_logprobs else None,
+                       top_logprobs=[list(zip(t.token_ids, t.logprobs)) for t in chunk.top_logprobs]
+                       if job.params.num_top_logprobs else None,
                        text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
                        completion_tokens=chunk.completion_tokens,
                        spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None)

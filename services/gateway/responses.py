@@ -24,22 +24,45 @@ class Formatter:
     model: str
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
+    # token id -> its text: the same alternatives come back at position after position
+    _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def _envelope(self, choices: list[dict], streamed: bool) -> dict:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float] | None, offsets: list[int]) -> dict | None:
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                  tops: list[list[tuple[int, float]]] | None, offsets: list[int]) -> dict | None:
+        """tops: per token the requested most likely (id, logprob), best first; None when none were asked."""
         if logprobs is None:
             return None
-        # Only the chosen token's logprob is known (no top alternatives), so top_logprobs stay empty.
-        tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        tokens = [self._text(t) for t in token_ids]
+        tops = tops if tops is not None else [[] for _ in token_ids]
         if self.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(tokens, logprobs)]}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [{} for _ in tokens],
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": [{"token": self._text(i), "logprob": v,
+                                                   "bytes": list(self._text(i).encode())} for i, v in top]}
+                                for s, lp, top in zip(tokens, logprobs, tops)]}
+        return {"tokens": tokens, "token_logprobs": logprobs,
+                "top_logprobs": [self._completion_top(s, lp, top) for s, lp, top in zip(tokens, logprobs, tops)],
                 "text_offset": offsets}
+
+    def _completion_top(self, chosen: str, logprob: float, top: list[tuple[int, float]]) -> dict[str, float]:
+        # OpenAI's legacy API "always returns the logprob of the sampled token, so there may be up
+        # to logprobs+1 elements" (as vLLM does): the chosen token comes last when it is not among
+        # the most likely, which keeps the dict sorted. Tokens with the same text share one key.
+        out: dict[str, float] = {}
+        for token_id, value in top:
+            out.setdefault(self._text(token_id), value)
+        out.setdefault(chosen, logprob)
+        return out
 
     def _choice(self, text: str, logprobs: dict | None, finish: str | None, streamed: bool) -> dict:
         if not self.chat:
@@ -59,7 +82,7 @@ class Formatter:
 
     def chunk(self, step: Step) -> dict | None:
         """None when the step adds nothing visible (text held back, no logprobs, not finished)."""
-        logprobs = self._logprobs(step.token_ids, step.logprobs, step.text_offsets)
+        logprobs = self._logprobs(step.token_ids, step.logprobs, step.top_logprobs, step.text_offsets)
         if not step.text and logprobs is None and step.finish_reason is None:
             return None
         return self._envelope([self._choice(step.text, logprobs, step.finish_reason, streamed=True)], streamed=True)
@@ -72,7 +95,8 @@ class Formatter:
     def response(self, steps: list[Step]) -> dict:
         token_ids = [t for s in steps for t in s.token_ids]
         logprobs = None if steps[-1].logprobs is None else [lp for s in steps for lp in s.logprobs]
+        tops = None if steps[-1].top_logprobs is None else [t for s in steps for t in s.top_logprobs]
         offsets = [o for s in steps for o in s.text_offsets]
-        choice = self._choice("".join(s.text for s in steps), self._logprobs(token_ids, logprobs, offsets),
+        choice = self._choice("".join(s.text for s in steps), self._logprobs(token_ids, logprobs, tops, offsets),
                               steps[-1].finish_reason, streamed=False)
         return {**self._envelope([choice], streamed=False), "usage": usage(steps[-1])}

@@ -17,6 +17,10 @@ from specd.sampling import SamplingParams
 
 from .errors import APIError, bad_request
 
+# OpenAI's limits: chat's top_logprobs goes to 20, the legacy completions' logprobs to 5.
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -60,7 +64,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (lambda v: not v, "an empty logit_bias"),
     "tools": (lambda v: not v, "no tools"),
     "response_format": (lambda v: v is None or v.get("type") == "text", 'response_format {"type": "text"}'),
-    "top_logprobs": (lambda v: not v, "top_logprobs=0 (the chosen tokens' logprobs only)"),
     "echo": (lambda v: not v, "echo=false"),
     "suffix": (lambda v: not v, "no suffix"),
 }
@@ -107,7 +110,8 @@ class _GenerationBody(_Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def _wants_logprobs(self) -> bool:
+    def _logprobs(self) -> int | None:
+        """None: no logprobs; n >= 0: each chosen token's logprob and the n most likely alternatives."""
         raise NotImplementedError
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -118,7 +122,7 @@ class _GenerationBody(_Body):
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
                 seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=bool(self.ignore_eos),
-                logprobs=True if self._wants_logprobs() else None,
+                logprobs=self._logprobs(),
                 num_speculative_tokens=spec.num_speculative_tokens if spec else None)
         except ValueError as e:
             msg = str(e)
@@ -138,8 +142,18 @@ class ChatCompletionRequest(_GenerationBody):
         # max_completion_tokens replaced max_tokens in OpenAI's chat API; it wins when both are set.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def _wants_logprobs(self) -> bool:
-        return bool(self.logprobs)
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is None:
+            return
+        if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {self.top_logprobs}",
+                              param="top_logprobs")
+        if not self.logprobs:  # as OpenAI and vLLM: alternatives only come with the chosen tokens' logprobs
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_GenerationBody):
@@ -151,12 +165,12 @@ class CompletionRequest(_GenerationBody):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None and self.logprobs > 0:
-            raise bad_request(f"logprobs={self.logprobs} (top alternatives) is not supported; "
-                              "logprobs=0 returns the chosen tokens' logprobs", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
+                              param="logprobs")
 
-    def _wants_logprobs(self) -> bool:
-        return self.logprobs is not None
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class RegisterDrafterBody(_Body):

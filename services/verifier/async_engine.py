@@ -35,6 +35,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     spec: dict
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, when asked
 
 
 class EngineFailure(RuntimeError):
@@ -223,11 +224,13 @@ class AsyncEngine:
                 self.metrics.ttft.observe(now - req.arrival)
             elif req.last_emit is not None:
                 self.metrics.itl.observe((now - req.last_emit) / len(new))
-        logprobs = seq.output_logprobs[req.sent:len(seq.output_token_ids)] if seq.params.want_logprobs else []
-        req.sent, req.last_emit = len(seq.output_token_ids), now
+        end = len(seq.output_token_ids)
+        logprobs = seq.output_logprobs[req.sent:end] if seq.params.want_logprobs else []
+        top = seq.output_top_logprobs[req.sent:end] if seq.params.num_top_logprobs else []
+        req.sent, req.last_emit = end, now
         reason = seq.finish_reason if seq.is_finished else None
         req.queue.put_nowait(Delta(list(new), list(logprobs), reason, len(seq.prompt_token_ids),
-                                   len(seq.output_token_ids), seq.spec_stats.to_dict()))
+                                   end, seq.spec_stats.to_dict(), top))
         if reason:
             self.requests.pop(req.request_id, None)
             if self.metrics is not None:

@@ -42,6 +42,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         try:
             async for d in self.engine.stream(req):
                 chunk = verifier_pb2.GenerateChunk(token_ids=d.token_ids, logprobs=d.logprobs,
+                                                   top_logprobs=[verifier_pb2.TopLogprobs(token_ids=ids, logprobs=lps)
+                                                                 for ids, lps in d.top_logprobs],
                                                    finish_reason=d.finish_reason or "",
                                                    prompt_tokens=d.prompt_tokens,
                                                    completion_tokens=d.completion_tokens)

@@ -10,6 +10,7 @@ import torch
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
 from specd.engine.sampler import Sampler, make_generator
 from specd.engine.scheduler import ScheduledSeq, Scheduler
@@ -190,8 +191,7 @@ class LLMEngine:
 
     def _emit(self, batch: list[ScheduledSeq], logits: torch.Tensor, new_tokens: list[list[int]]) -> list[Sequence]:
         finished, row, i = [], 0, 0
-        want_logprobs = any(e.seq.params.want_logprobs for e in batch if e.num_logits)
-        logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        logprobs = StepLogprobs(batch, logits)
         for entry in batch:
             seq = entry.seq
             if not entry.num_logits:
@@ -206,8 +206,7 @@ class LLMEngine:
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
             for j, token in enumerate(tokens):
                 seq.output_token_ids.append(token)
-                if logprobs is not None and seq.params.want_logprobs:
-                    seq.output_logprobs.append(logprobs[row + j, token].item())
+                logprobs.record(seq, row + j, token)
                 reason = self._stop_reason(seq, token)
                 if reason:  # a stop inside accepted drafts ends the sequence right there
                     self._finish(seq, reason)

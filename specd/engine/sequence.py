@@ -23,6 +23,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        # Per output token when params.num_top_logprobs > 0: (token ids, logprobs), most likely first.
+        self.output_top_logprobs: list[tuple[list[int], list[float]]] = []
         self.params = params
         self.status = SeqStatus.WAITING
         # Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table.

@@ -68,8 +68,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "fake verifier went away")
             step = ids[i:i + 2]
             last = i + 2 >= len(ids)
+            # Alternatives: the chosen token first, then the next ids, each 1 nat less likely.
+            top = [pb.TopLogprobs(token_ids=[t + j for j in range(p.top_logprobs)],
+                                  logprobs=[-0.25 - j for j in range(p.top_logprobs)]) for t in step]
             yield pb.GenerateChunk(
                 token_ids=step, logprobs=[-0.25] * len(step) if p.logprobs else [],
+                top_logprobs=top if p.top_logprobs else [],
                 finish_reason=("stop" if ids[-1] == EOS else "length") if last else "",
                 prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + len(step),
                 spec=pb.SpecCounters(drafts=i // 2 + 1, draft_tokens=4 * (i // 2 + 1), accepted_tokens=i + len(step)))
@@ -243,8 +247,41 @@ def test_logprobs_shapes(client, fake, tok):
 
     comp = client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 3, "logprobs": 0}).json()
     lp = comp["choices"][0]["logprobs"]
-    assert lp["token_logprobs"] == [-0.25] * 3 and len(lp["tokens"]) == 3 and lp["top_logprobs"] == [{}, {}, {}]
+    assert lp["token_logprobs"] == [-0.25] * 3 and len(lp["tokens"]) == 3
+    assert lp["top_logprobs"] == [{t: -0.25} for t in lp["tokens"]]  # the sampled token is always there
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def _text(tok, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_shapes(client, fake, tok, stream):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "logprobs": True, "top_logprobs": 3,
+            "stream": stream}
+    r = client.post(CHAT, json=body)
+    if stream:
+        evs = events(r)[:-1]
+        content = [c for e in evs if e["choices"][0]["logprobs"] for c in e["choices"][0]["logprobs"]["content"]]
+        rid = evs[0]["id"]
+    else:
+        content, rid = r.json()["choices"][0]["logprobs"]["content"], r.json()["id"]
+    assert fake.requests[rid].params.top_logprobs == 3 and fake.requests[rid].params.logprobs
+    assert len(content) == 5
+    for t, c in zip(fake.reply_ids, content):
+        assert c["top_logprobs"] == [{"token": _text(tok, t + j), "logprob": -0.25 - j,
+                                      "bytes": list(_text(tok, t + j).encode())} for j in range(3)]
+
+    comp = client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 5, "logprobs": 2}).json()
+    lp = comp["choices"][0]["logprobs"]
+    assert fake.requests[comp["id"]].params.top_logprobs == 2
+    expected = []
+    for t in fake.reply_ids[:5]:  # byte tokens share the text "\ufffd": the more likely one keeps the key
+        expected.append({})
+        for j in range(2):
+            expected[-1].setdefault(_text(tok, t + j), -0.25 - j)
+    assert lp["top_logprobs"] == expected
 
 
 def test_models_health_and_metrics(client):
@@ -294,7 +331,9 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of", "not supported"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix", "not supported"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 6}, 400, "logprobs", "between 0 and 5"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "logprobs", "between 0 and 5"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, "logprobs", "valid integer"),
     (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     (COMPLETIONS, {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty", "not supported"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
@@ -305,8 +344,14 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools", ""),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
      "response_format", "not supported"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}, 400,
-     "top_logprobs", "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "between 0 and 20"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs", "between 0 and 20"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "requires logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 0}, 400,
+     "top_logprobs", "requires logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_tokens", ""),
 ]
 
