@@ -39,9 +39,11 @@ TRACE_FILE_ENV = "SPECD_TRACE_FILE"
 _W3C = TraceContextTextMapPropagator()
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
-    """Expose registry at http://host:port/metrics on a daemon thread."""
-    start_http_server(port, addr=host, registry=registry)
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int:
+    """Expose registry at http://host:port/metrics on a daemon thread; returns the port bound
+    (port 0: one the OS picks). A port that cannot be bound raises OSError."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
 
 
 # ---- OpenTelemetry -------------------------------------------------------------------

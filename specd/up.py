@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--verifier-port", type=int, default=50051)
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter port; the next ones count up")
-    p.add_argument("--metrics-port", type=int, default=9401,
-                   help="verifier /metrics port; drafters use the next ones (0: off). The gateway serves "
-                        "its own /metrics")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="verifier /metrics port; drafters use the next ones (default: each service's gRPC "
+                        "port + 1000; 0: off). The gateway serves its own /metrics")
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
@@ -36,6 +36,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-key", default=None)
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
+
+
+def metrics_ports(args, num_drafters: int) -> tuple[int, list[int]]:
+    """The verifier's and the drafters' metrics ports (0: off). --metrics-port N: N, then N+1,
+    N+2, ... for the drafters; by default each service's own rule (specd.metrics_port), where a
+    port the OS would pick is picked here, so the ports can be printed."""
+    from specd.metrics_port import default_metrics_port
+
+    if args.metrics_port is not None:
+        n = args.metrics_port
+        return n, [n + 1 + i if n else 0 for i in range(num_drafters)]
+
+    def derived(grpc_port: int) -> int:
+        return default_metrics_port(grpc_port) or _free_port()
+
+    return derived(args.verifier_port), [derived(args.drafter_port + i) for i in range(num_drafters)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parse_drafter(value: str) -> tuple[str, str | None]:
@@ -147,23 +171,28 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     log = ["--log-level", args.log_level]
+    verifier_metrics, drafter_metrics = metrics_ports(args, len(drafters))
+    metrics_urls = [("gateway", f"http://{args.host}:{args.port}/metrics")]
     try:
         checks, drafter_flags, names = [], [], []
         for i, (method, model) in enumerate(drafters):
             name = method if sum(m == method for m, _ in drafters) == 1 else f"{method}-{i}"
             port = args.drafter_port + i
-            metrics = args.metrics_port + 1 + i if args.metrics_port else 0
             argv = ["drafter", "--method", method, "--name", name, "--port", str(port),
-                    "--metrics-port", str(metrics), "--threads", str(args.drafter_threads), *log]
+                    "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log]
             if method == "draft_model":
                 argv += ["--model", model or str(demo_model_dir("drafter"))]
             stack.start(f"drafter {name}", argv)
             checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a)))
             drafter_flags += ["--drafter", f"{name}=127.0.0.1:{port}"]
             names.append(name)
+            if drafter_metrics[i]:
+                metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
         verifier = f"127.0.0.1:{args.verifier_port}"
         argv = ["verifier", "--model", target, "--port", str(args.verifier_port), "--metrics-port",
-                str(args.metrics_port), "--threads", str(args.threads), *drafter_flags, *log]
+                str(verifier_metrics), "--threads", str(args.threads), *drafter_flags, *log]
+        if verifier_metrics:
+            metrics_urls.insert(1, ("verifier", f"http://127.0.0.1:{verifier_metrics}/metrics"))
         if args.no_speculation:
             argv.append("--no-speculation")
         if args.speculative_config:
@@ -184,6 +213,8 @@ def run(args) -> int:
         url = f"http://{args.host}:{args.port}/v1"
         print(f"specd is up: {url}  (OpenAI API; model {os.path.basename(target.rstrip('/'))}; "
               f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
+        print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
+              + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
         while not stopping.is_set():
             dead = stack.dead()
             if dead:

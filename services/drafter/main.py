@@ -5,18 +5,18 @@ import argparse
 
 HELP = "run a drafter service (gRPC) hosting one proposer"
 DEFAULT_PORT = 50061
-DEFAULT_METRICS_PORT = 9402
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specd.metrics_port import add_metrics_port_argument
+
     p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix"])
     p.add_argument("--model", default=None,
                    help="draft model directory or hub id (draft_model; default: the bundled demo drafter)")
     p.add_argument("--name", default=None, help="name reported by Info (default: the method)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)")
+    add_metrics_port_argument(p)
     p.add_argument("--options", default=None,
                    help='proposer options as JSON with vLLM\'s keys, e.g. \'{"prompt_lookup_max": 3}\' '
                         "or '{\"draft_sample_method\": \"sampled\"}'")
@@ -62,29 +62,31 @@ def run(args) -> int:
     import asyncio
 
     from specd.cli import set_threads
-    from specd.grpc_server import install_uvloop, serve, setup_logging
+    from specd.drafter.metrics import DrafterMetrics
+    from specd.grpc_server import install_uvloop, setup_logging
+    from specd.metrics_port import start_metrics
     from specd.telemetry import setup_tracing
 
     setup_logging(args.log_level)
     setup_tracing("specd-drafter")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
+    name = args.name or args.method
+    metrics = DrafterMetrics(name)
+    # Before the model loads: a busy metrics port fails at once, not after the load.
+    start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, f"drafter {name}")
     proposer, info = build_proposer(args)
     install_uvloop()
-    asyncio.run(_serve(args, proposer, info))
+    asyncio.run(_serve(args, proposer, info, metrics))
     return 0
 
 
-async def _serve(args, proposer, info) -> None:
+async def _serve(args, proposer, info, metrics) -> None:
     import asyncio
 
-    from specd.drafter.metrics import DrafterMetrics
     from specd.drafter.server import DrafterService
     from specd.grpc_server import serve
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
-    metrics = DrafterMetrics(info.name)
-    if args.metrics_port:
-        metrics.start_http_server(args.metrics_port, args.host)
     service = DrafterService(proposer, info, args.ttl_seconds, metrics)
 
     def add(server):

@@ -27,5 +27,5 @@ class DrafterMetrics:
         self.draft_tokens.inc(draft_tokens)
         self.propose_seconds.observe(seconds)
 
-    def start_http_server(self, port: int, host: str = "0.0.0.0") -> None:
-        serve_metrics(self.registry, port, host)
+    def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
+        return serve_metrics(self.registry, port, host)

@@ -5,7 +5,6 @@ import argparse
 
 HELP = "run the verifier service (gRPC): target model, KV cache, batching, drafter pool"
 DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9401
 
 
 def _drafter_arg(value: str) -> tuple[str, str]:
@@ -16,11 +15,12 @@ def _drafter_arg(value: str) -> tuple[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specd.metrics_port import add_metrics_port_argument
+
     p.add_argument("--model", default=None, help="target model directory or hub id (default: the bundled demo target)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)")
+    add_metrics_port_argument(p)
     p.add_argument("--drafter", action="append", default=[], type=_drafter_arg, metavar="NAME=ADDR",
                    help="a drafter service to register at start (repeatable; more can be added at runtime)")
     p.add_argument("--speculative-config", default=None,
@@ -48,7 +48,9 @@ def run(args) -> int:
     from specd.cli import default_model, set_threads
     from specd.config import EngineConfig, SpeculativeConfig
     from specd.grpc_server import install_uvloop, setup_logging
+    from specd.metrics_port import start_metrics
     from specd.telemetry import setup_tracing
+    from specd.verifier.metrics import VerifierMetrics
 
     setup_logging(args.log_level)
     setup_tracing("specd-verifier")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
@@ -66,12 +68,15 @@ def run(args) -> int:
     if spec is not None and spec.method is not None and args.drafter:
         raise ValueError("--drafter and an in-process speculative method are exclusive; drop 'method' "
                          "from --speculative-config to use drafter services")
+    metrics = VerifierMetrics()
+    # Before the model loads: a busy metrics port fails at once, not after the load.
+    start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, "verifier")
     install_uvloop()
-    asyncio.run(_serve(args, config, spec))
+    asyncio.run(_serve(args, config, spec, metrics))
     return 0
 
 
-async def _serve(args, config, spec) -> None:
+async def _serve(args, config, spec, metrics) -> None:
     import asyncio
     import logging
     from pathlib import Path
@@ -82,12 +87,10 @@ async def _serve(args, config, spec) -> None:
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
     from specd.verifier.async_engine import AsyncEngine
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer
-    from specd.verifier.metrics import VerifierMetrics
     from specd.verifier.server import VerifierService
 
     log = logging.getLogger("specd.verifier")
     loop = asyncio.get_running_loop()
-    metrics = VerifierMetrics()
     pool = None
     if spec is not None and spec.method is None:
         from specd.engine.loader import read_arch_config, resolve_model_dir
@@ -102,8 +105,6 @@ async def _serve(args, config, spec) -> None:
         vocab_size=engine.arch.vocab_size, vocab_hash=vocab_hash_of(engine.model_dir),
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None)
     async_engine = AsyncEngine(engine, pool, metrics)
-    if args.metrics_port:
-        metrics.start_http_server(args.metrics_port, args.host)
 
     def add(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierService(async_engine, info), server)

@@ -71,8 +71,8 @@ class VerifierMetrics:
         so it is right while the verifier idles; a removed drafter's series goes away."""
         self.registry.register(_DrafterHealth(drafters))
 
-    def start_http_server(self, port: int, host: str = "0.0.0.0") -> None:
-        serve_metrics(self.registry, port, host)
+    def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
+        return serve_metrics(self.registry, port, host)
 
 
 class _DrafterHealth:

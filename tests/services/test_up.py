@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specd.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
@@ -31,20 +33,23 @@ def _specd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def up(launcher):
-    ports = {name: launcher.free_port() for name in ("http", "verifier", "drafter", "drafter2", "metrics")}
+    ports = {name: launcher.free_port() for name in ("http", "verifier", "drafter")}
+    # metrics ports default to gRPC port + 1000: make sure those are free too
+    while ports["verifier"] > 64535 or _port_open(ports["verifier"] + 1000):
+        ports["verifier"] = launcher.free_port()
     # drafter ports count up from --drafter-port: make sure the second one is free too
-    while _port_open(ports["drafter"] + 1):
+    while ports["drafter"] > 64534 or any(_port_open(ports["drafter"] + d) for d in (1, 1000, 1001)):
         ports["drafter"] = launcher.free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--port", str(ports["http"]),
-                             "--verifier-port", str(ports["verifier"]), "--drafter-port", str(ports["drafter"]),
-                             "--metrics-port", "0"],
+                             "--verifier-port", str(ports["verifier"]), "--drafter-port", str(ports["drafter"])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     line = proc.stdout.readline()  # blocks until the stack is healthy (or it gave up)
     if "specd is up" not in line:
         proc.kill()
         pytest.fail(f"specd up did not come up: {line!r}\n{proc.stderr.read()[-3000:]}")
-    yield dict(proc=proc, ports=ports, line=line)
+    metrics_line = proc.stdout.readline()
+    yield dict(proc=proc, ports=ports, line=line, metrics_line=metrics_line)
     if proc.poll() is None:
         proc.kill()
 
@@ -59,6 +64,23 @@ def test_up_serves_the_demo_pair_with_speculation(up):
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
     assert out.choices[0].text == ref.text
     assert out.usage.model_extra["speculative"]["draft_tokens"] > 0
+
+
+def test_up_prints_where_every_service_serves_metrics(up):
+    """Verifier and drafters on their gRPC port + 1000 (the services' default rule), the gateway
+    on its HTTP port; every URL printed answers with parseable Prometheus text."""
+    ports, line = up["ports"], up["metrics_line"]
+    expected = {"gateway": f"http://127.0.0.1:{ports['http']}/metrics",
+                "verifier": f"http://127.0.0.1:{ports['verifier'] + 1000}/metrics",
+                "drafter draft_model": f"http://127.0.0.1:{ports['drafter'] + 1000}/metrics",
+                "drafter ngram": f"http://127.0.0.1:{ports['drafter'] + 1001}/metrics"}
+    assert line.startswith("metrics: "), line
+    assert line.removeprefix("metrics: ").strip() == ", ".join(f"{n} {u}" for n, u in expected.items())
+    families = {name: {f.name for f in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10)
+                                                                      .read().decode())}
+                for name, url in expected.items()}
+    assert "specd_verifier_kv_blocks_used" in families["verifier"]
+    assert "specd_drafter_up" in families["drafter draft_model"] and "specd_drafter_up" in families["drafter ngram"]
 
 
 def test_drafters_cli_lists_removes_and_adds(up):
