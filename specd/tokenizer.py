@@ -11,7 +11,7 @@ class Tokenizer:
     def __init__(self, tokenizer: _HFTokenizer, config: dict):
         self._tok = tokenizer
         self.config = config
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = _default_template(config.get("chat_template"))
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "Tokenizer | None":
@@ -24,7 +24,9 @@ class Tokenizer:
         if cfg_path.is_file():
             with open(cfg_path) as f:
                 config = json.load(f)
-        return cls(_HFTokenizer.from_file(str(path)), config)
+        tok = cls(_HFTokenizer.from_file(str(path)), config)
+        tok.chat_template = find_chat_template(Path(model_dir), config)
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -48,3 +50,26 @@ def vocab_hash_of(model_dir: Path | str) -> str:
     """The vocabulary hash of a model directory; "" when it has no tokenizer.json."""
     tok = Tokenizer.from_dir(Path(model_dir))
     return tok.vocab_hash() if tok is not None else ""
+
+
+def _default_template(template) -> str | None:
+    """tokenizer_config may hold a string or a list of named templates; "default" is the chat one."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return template or None
+
+
+def find_chat_template(model_dir: Path, config: dict) -> str | None:
+    """Where transformers keeps it, newest first: chat_template.jinja (transformers >= 4.43
+    saves it there), chat_template.json, then tokenizer_config.json's chat_template."""
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8") or None
+    json_path = model_dir / "chat_template.json"
+    if json_path.is_file():
+        with open(json_path, encoding="utf-8") as f:
+            template = _default_template(json.load(f).get("chat_template"))
+        if template:
+            return template
+    return _default_template(config.get("chat_template"))

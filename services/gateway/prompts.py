@@ -1,47 +1,18 @@
 """Prompts to token ids: the chat template, completion prompts, and the context-length checks."""
 from __future__ import annotations
 
-from functools import lru_cache
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+from specd import chat
 from specd.tokenizer import Tokenizer
 
 from .errors import bad_request
 
 
-def _raise(message: str):
-    raise jinja2.TemplateError(message)
-
-
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
-    # The environment Hugging Face renders chat templates with, so templates behave as they do there.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise
-    return env.from_string(template)
-
-
-def _special(tokenizer: Tokenizer, name: str) -> str:
-    value = tokenizer.config.get(name) or ""
-    return value.get("content", "") if isinstance(value, dict) else value  # AddedToken-style entries
-
-
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    if not tokenizer.chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
-    bos = _special(tokenizer, "bos_token")
     try:
-        text = _compile(tokenizer.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=_special(tokenizer, "eos_token"))
-    except jinja2.TemplateError as e:
-        raise bad_request(f"chat template failed: {e}", param="messages") from None
-    # Templates that write BOS themselves must not get a second one from the tokenizer;
-    # those that do not (the demo model's) get the one the tokenizer adds to any prompt.
-    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        return chat.chat_prompt_ids(tokenizer, messages)
+    except chat.ChatTemplateError as e:
+        message = str(e) + ("; use /v1/completions" if not tokenizer.chat_template else "")
+        raise bad_request(message, param="messages") from None
 
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list, vocab_size: int) -> list[int]:
