@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from specd.cache import cache_root
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
+from specd.gguf_convert import convert_gguf, file_sha256, find_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -24,8 +28,12 @@ _FUSED = {
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A local directory, or a hub id fetched (or found in the local hub cache)."""
+    """A local directory, a GGUF file (or a directory holding one and no config.json) converted
+    once into the cache, or a hub id fetched (or found in the local hub cache)."""
     path = Path(model).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_model_dir(gguf_file)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {model!r} has no config.json")
@@ -35,12 +43,36 @@ def resolve_model_dir(model: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
     except Exception as e:  # offline, unknown repo, gated ...: one clear line
         raise FileNotFoundError(
             f"model {model!r} not found: not a local directory and not available from the hub "
             f"({type(e).__name__})"
         ) from None
+
+
+def gguf_model_dir(gguf_file: Path) -> Path:
+    """The Hugging Face directory converted from `gguf_file`: cache_root()/gguf/<sha256[:16]>/.
+
+    Keyed by content, so a renamed or re-downloaded file reuses it and an edited one does not.
+    The conversion goes to a temp dir beside it and is renamed into place (atomic), so the
+    directory exists only when complete: a crash mid-conversion leaves nothing to trust.
+    """
+    out = cache_root() / "gguf" / file_sha256(gguf_file)[:16]
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        convert_gguf(gguf_file, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def read_arch_config(model_dir: Path) -> ModelArchConfig:
@@ -85,6 +117,13 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
         raise ValueError(f"checkpoint {model_dir} is missing weights: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
     model.rotary.build(device, dtype)
+    draft_vocab = model_dir / "draft_vocab.json"
+    if draft_vocab.is_file():
+        with open(draft_vocab) as f:
+            ids = json.load(f)["ids"]
+        if not ids or not all(0 <= i < arch.vocab_size for i in ids):
+            raise ValueError(f"{draft_vocab}: ids must be a non-empty list within [0, {arch.vocab_size})")
+        model.restrict_head(torch.tensor(ids, dtype=torch.long))
     return model.eval()
 
 

@@ -93,6 +93,15 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # A drafter may score only a subset of the vocabulary (draft_vocab.json): its head is
+        # then those rows, and every other id gets -inf, so it is never drafted.
+        self.head_ids: torch.Tensor | None = None  # [V_d]
+        self.head_weight: torch.Tensor | None = None  # [V_d, hidden]
+
+    def restrict_head(self, ids: torch.Tensor) -> None:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_ids = ids.to(weight.device)
+        self.head_weight = weight.detach().index_select(0, self.head_ids).contiguous()
 
     def forward(
         self,
@@ -107,5 +116,8 @@ class CausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer.forward(x, cos_sin, kv, meta)
         x = self.model.norm.forward(x.index_select(0, logits_indices))
+        if self.head_ids is not None:
+            logits = x.new_full((x.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+            return logits.index_copy_(1, self.head_ids, F.linear(x, self.head_weight).float())
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
