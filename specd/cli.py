@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -15,16 +16,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
-def default_model() -> str | None:
-    from specd.demo_paths import demo_model_dir
+def default_model() -> str:
+    """The default target (SmolLM2-135M-Instruct), fetched into the cache on first use."""
+    from specd.model_store import default_target
 
-    path = demo_model_dir("target")
-    return str(path) if (path / "config.json").is_file() else None
+    return default_target()
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate offline, no services (one JSON line per prompt)")
-    p.add_argument("--model", default=None, help="local directory or hub id (default: the bundled demo target)")
+    p = sub.add_parser("generate",
+                       help="generate offline, no services (one JSON line per prompt; a summary line on stderr)")
+    p.add_argument("--model", default=None, help="local directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -83,17 +85,37 @@ def _run_generate(args) -> int:
                             num_speculative_tokens=args.num_speculative_tokens)
     prompts = _read_prompts(args)
     model = args.model or default_model()
-    if model is None:
-        raise ValueError("no --model given and the bundled demo model is missing (run `specd demo-models`)")
     set_threads(args.threads)
     from specd.llm import LLM
 
     llm = LLM(model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_gb=args.kv_cache_gb)
-    for out in llm.generate(prompts, params):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    for out in outs:
         print(json.dumps(out.to_dict()), flush=True)
+    print(_generate_summary(outs, seconds), file=sys.stderr, flush=True)
     return 0
+
+
+def _generate_summary(outs, seconds: float) -> str:
+    """One line for stderr (stdout stays JSON lines): totals over every prompt, wall time of
+    generation alone (model load excluded) and, with speculation, the summed counters."""
+    from specd.engine.spec_stats import SpecStats
+
+    tokens = sum(len(o.token_ids) for o in outs)
+    line = (f"summary: prompts={len(outs)} generated_tokens={tokens} wall_s={seconds:.3f} "
+            f"tokens_per_s={tokens / seconds if seconds > 0 else 0.0:.1f}")
+    specs = [o.spec for o in outs if o.spec is not None]
+    if specs:  # speculation configured (counters are zero where nothing was drafted)
+        total = SpecStats(drafts=sum(s["drafts"] for s in specs), draft_tokens=sum(s["draft_tokens"] for s in specs),
+                          accepted_tokens=sum(s["accepted_tokens"] for s in specs))
+        line += (f" drafts={total.drafts} draft_tokens={total.draft_tokens} accepted_tokens={total.accepted_tokens}"
+                 f" acceptance_rate={total.acceptance_rate:.3f}"
+                 f" mean_acceptance_length={total.mean_acceptance_length:.3f}")
+    return line
 
 
 def set_threads(n: int | None) -> None:
@@ -121,6 +143,8 @@ SERVICE_COMMANDS = {
     "drafter": "specd.drafter.main",
     "gateway": "specd.gateway.main",
     "drafters": "specd.admin",
+    "models": "specd.models_command",
+    "train-drafter": "specd.train_drafter.command",
 }
 
 

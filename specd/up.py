@@ -12,15 +12,15 @@ import sys
 import threading
 import time
 
-HELP = "start gateway + verifier + drafters on this machine (default: the demo pair)"
+HELP = "start gateway + verifier + drafters on this machine (default: SmolLM2-135M-Instruct and its drafter)"
 READY_TIMEOUT_S = 180.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target model directory or hub id (default: the demo target)")
+    p.add_argument("--target", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--drafter", action="append", default=None, metavar="METHOD[:MODEL]",
                    help="a drafter to start (repeatable): draft_model[:MODEL], ngram or suffix "
-                        "(default: draft_model on the demo drafter, and ngram)")
+                        "(default: draft_model on the default target's trained drafter, and suffix)")
     p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
     p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
@@ -159,13 +159,15 @@ def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threa
 
 
 def run(args) -> int:
-    from specd.cli import default_model
-    from specd.demo_paths import demo_model_dir
+    from specd import model_store
 
-    target = args.target or default_model()
-    if target is None:
-        raise ValueError("no --target given and the bundled demo target is missing")
-    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "ngram"])]
+    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
+    target = args.target or model_store.default_target()
+    if any(m == "draft_model" and not model for m, model in drafters):
+        if args.target:
+            raise ValueError("--drafter draft_model needs a model (draft_model:DIR) when --target is not the default")
+        drafters = [(m, model or model_store.default_drafter()) if m == "draft_model" else (m, model)
+                    for m, model in drafters]
     stack = Stack()
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -181,7 +183,7 @@ def run(args) -> int:
             argv = ["drafter", "--method", method, "--name", name, "--port", str(port),
                     "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log]
             if method == "draft_model":
-                argv += ["--model", model or str(demo_model_dir("drafter"))]
+                argv += ["--model", model]
             stack.start(f"drafter {name}", argv)
             checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a)))
             drafter_flags += ["--drafter", f"{name}=127.0.0.1:{port}"]
@@ -211,10 +213,14 @@ def run(args) -> int:
         if stopping.is_set():
             return 0
         url = f"http://{args.host}:{args.port}/v1"
-        print(f"specd is up: {url}  (OpenAI API; model {os.path.basename(target.rstrip('/'))}; "
+        model_name = os.path.basename(target.rstrip("/"))
+        print(f"specd is up: {url}  (OpenAI API; model {model_name}; "
               f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
+        print(f"try: curl -s {url}/chat/completions -H 'content-type: application/json' -d "
+              f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
         while not stopping.is_set():
             dead = stack.dead()
             if dead:

@@ -12,7 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix"])
     p.add_argument("--model", default=None,
-                   help="draft model directory or hub id (draft_model; default: the bundled demo drafter)")
+                   help="draft model directory or hub id (draft_model; default: the trained drafter of the default target, fetched once)")
     p.add_argument("--name", default=None, help="name reported by Info (default: the method)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -33,7 +33,6 @@ def build_proposer(args):
     import json
 
     from specd.config import SpeculativeConfig
-    from specd.demo_paths import demo_model_dir
     from specd.drafter.proposers.factory import make_proposer
     from specd.tokenizer import vocab_hash_of
     from specd.v1 import drafter_pb2
@@ -43,7 +42,9 @@ def build_proposer(args):
         raise ValueError("--options must be a JSON object")
     model = args.model
     if args.method == "draft_model" and model is None:
-        model = str(demo_model_dir("drafter"))
+        from specd.model_store import default_drafter
+
+        model = default_drafter()
     spec = SpeculativeConfig.parse({**options, "method": args.method, "model": model,
                                     "num_speculative_tokens": args.num_speculative_tokens})
     proposer = make_proposer(spec, target_vocab_size=None, device=args.device)

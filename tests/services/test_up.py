@@ -40,8 +40,11 @@ def up(launcher):
     # drafter ports count up from --drafter-port: make sure the second one is free too
     while ports["drafter"] > 64534 or any(_port_open(ports["drafter"] + d) for d in (1, 1000, 1001)):
         ports["drafter"] = launcher.free_port()
+    # The demo pair keeps this test fast; the default (real) pair is tested in tests/real/.
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--port", str(ports["http"]),
-                             "--verifier-port", str(ports["verifier"]), "--drafter-port", str(ports["drafter"])],
+                             "--verifier-port", str(ports["verifier"]), "--drafter-port", str(ports["drafter"]),
+                             "--target", str(demo_model_dir("target")),
+                             "--drafter", f"draft_model:{demo_model_dir('drafter')}", "--drafter", "ngram"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     line = proc.stdout.readline()  # blocks until the stack is healthy (or it gave up)

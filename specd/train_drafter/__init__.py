@@ -1,0 +1,1 @@
+"""`specd train-drafter`: distil a small draft model for a target from the target's own logits."""
