@@ -139,12 +139,12 @@ def _drafter_current(drafter: Path) -> bool:
     return stamp.is_file() and src.is_file() and json.loads(stamp.read_text()).get("layers_sha256") == sha256_of(src)
 
 
-def _assemble_drafter(target: Path, out: Path, log) -> None:
+def _assemble_drafter(target: Path, out: Path, log, src: Path | None = None) -> None:
     """Committed drafter layers + the target's embeddings and tokenizer files -> a full HF directory."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    src = committed_drafter_dir()
+    src = src or committed_drafter_dir()
     if not (src / "model.safetensors").is_file():
         raise FetchError(f"the drafter's weights are missing from {src} (a clean clone has them)")
     with open(src / "config.json") as f:

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per workload")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--card-only", action="store_true",
+                   help="only re-measure the cost and rewrite README.md from an existing eval.json in --out")
 
 
 def run(args) -> int:
@@ -44,11 +46,36 @@ def run(args) -> int:
     set_determinism(0, args.threads)
     target = Path(args.target) if args.target else fetch()[0]
     out = Path(args.out) if args.out else committed_drafter_dir()
-    cfg = _config(args)
-    report = train_drafter(target, out, cfg, args)
-    print(json.dumps({k: report[k] for k in ("heldout", "train")}, indent=1))
+    if not args.card_only:
+        train_drafter(target, out, _config(args), args)
+    finish(target, out, args)
     del torch
     return 0
+
+
+def finish(target_dir: Path, out: Path, args) -> None:
+    """Sizes, the side-by-side cost measurement and the card, from eval.json."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specd.model_store import _assemble_drafter
+    from specd.train_drafter import card
+
+    report = json.loads((out / "eval.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "drafter"
+        _assemble_drafter(target_dir, full, print, src=out)
+        drafter = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32)
+        target_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(target_dir).parameters())
+        report["params"] = card.param_counts(drafter, report["train"]["config"]["draft_vocab"], target_params)
+        report["cost"] = card.measure_cost(target_dir, full)
+    report["machine"] = card.machine(args.threads)
+    with open(out / "eval.json", "w") as f:
+        json.dump(report, f, indent=1)
+    card.write_card(out, report, f"specd train-drafter --threads {args.threads}")
+    print(f"card: {out / 'README.md'}")
 
 
 def _config(args):
