@@ -17,7 +17,7 @@ def _drafter_arg(value: str) -> tuple[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specd.metrics_port import add_metrics_port_argument
 
-    p.add_argument("--model", default=None, help="target model directory or hub id (default: the bundled demo target)")
+    p.add_argument("--model", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     add_metrics_port_argument(p)
@@ -56,8 +56,6 @@ def run(args) -> int:
     setup_tracing("specd-verifier")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
     model = args.model or default_model()
-    if model is None:
-        raise ValueError("no --model given and the bundled demo target is missing")
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
