@@ -14,6 +14,10 @@ MAX_TOKENS_LIMIT = 1 << 24
 MAX_SEED = (1 << 63) - 1
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 32
+# The wire types bound these (int32 top_k, uint32 token ids): a larger value must be a
+# client error here, not an overflow where the gRPC message is built.
+MAX_TOP_K = (1 << 31) - 1
+MAX_TOKEN_ID = (1 << 32) - 1
 
 
 @dataclass
@@ -43,8 +47,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self._check_number("top_k", self.top_k, integer=True)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer up to {MAX_TOP_K}, got {self.top_k}")
         self._check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -53,9 +57,10 @@ class SamplingParams:
             if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be between 0 and 2**63-1, got {self.seed}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers in [0, {MAX_TOKEN_ID}]), "
+                             f"got {str(self.stop_token_ids)[:100]}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.logprobs is not None and not isinstance(self.logprobs, bool):
             self._check_number("logprobs", self.logprobs, integer=True)

@@ -18,11 +18,14 @@ def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.Sampli
 
 
 def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError (naming the field) for values SamplingParams rejects."""
+    """Raises ValueError (naming the field) for values SamplingParams rejects.
+
+    An unset top_p (proto3's 0, never a valid top_p) means the default, 1.0 (off).
+    """
     if msg.top_logprobs and not msg.logprobs:
         raise ValueError(f"top_logprobs ({msg.top_logprobs}) needs logprobs to be set")
     return SamplingParams(
-        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
         min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, logprobs=(msg.top_logprobs or True) if msg.logprobs else None,
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None)

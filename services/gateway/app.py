@@ -86,7 +86,12 @@ class Gateway:
             span.set_attributes({"gen_ai.request.model": self.model.name, "specd.request_id": request_id,
                                  "gen_ai.usage.input_tokens": len(prompt_ids),
                                  "specd.stream": bool(body.stream)})
-        job = Job(request_id=request_id, prompt_ids=prompt_ids, params=body.sampling_params(max_tokens),
+        params = body.sampling_params(max_tokens)
+        bad = next((t for t in params.stop_token_ids if t >= self.model.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids must be in [0, {self.model.vocab_size}), got {bad}",
+                           param="stop_token_ids")
+        job = Job(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival)
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)

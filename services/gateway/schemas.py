@@ -193,18 +193,59 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any
     return parse_body(model, b"".join(chunks))
 
 
+# Deeper than any OpenAI body needs (a tool's JSON schema nests a few levels); deeper input
+# would reach recursion limits in the JSON encoder, pydantic or the chat template.
+MAX_JSON_DEPTH = 64
+
+
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
     """Malformed JSON and every validation failure are a 400 naming the first bad field."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, invalid UTF-8, an integer of over 4300 digits
+        raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    # A lone UTF-16 surrogate can only come from a \uD8xx-\uDFxx escape: look for one only then.
+    _check_structure(data, surrogates=b"\\ud" in raw.lower())
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e, data) from None
+
+
+def _check_structure(data: dict, surrogates: bool) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH and, when asked, for strings holding a lone
+    surrogate (valid JSON, but not Unicode: no tokenizer or encoder can take it)."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, loc, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param=_param(loc))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(item, (dict, list)):
+                stack.append((item, (*loc, key), depth + 1))
+            elif surrogates and isinstance(item, str) and not _is_unicode(item):
+                raise bad_request(f"Invalid value for '{_dotted((*loc, key))}': the string holds a lone UTF-16 "
+                                  "surrogate (\\ud800-\\udfff), which is not valid Unicode", param=_param((*loc, key)))
+        if surrogates and isinstance(value, dict) and not all(_is_unicode(k) for k in value):
+            raise bad_request("a key of the request body holds a lone UTF-16 surrogate, which is not valid Unicode",
+                              param=_param(loc))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _param(loc: tuple) -> str | None:
+    return str(loc[0]) if loc else None
 
 
 def _validation_error(err: ValidationError, data: dict) -> APIError:

@@ -23,10 +23,19 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
     async def Generate(self, request, context):
         # One span per request, child of the caller's (W3C trace context in the call's metadata);
         # the engine's step spans link to it.
+        # The span is not made current: this async generator may be closed (client gone) from
+        # another context, where detaching a current span's context fails noisily. Nothing
+        # below needs it current (the engine gets its context explicitly).
         parent = extract_metadata(context.invocation_metadata())
-        with _tracer.start_as_current_span("verifier.generate", context=parent, kind=trace.SpanKind.SERVER) as span:
+        span = _tracer.start_span("verifier.generate", context=parent, kind=trace.SpanKind.SERVER)
+        try:
             async for chunk in self._generate(request, context, span):
                 yield chunk
+        except Exception as e:
+            span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            span.end()
 
     async def _generate(self, request, context, span):
         try:

@@ -302,6 +302,13 @@ def test_models_health_and_metrics(client):
 
 # ---------------------------------------------------------------- bad requests
 
+def _nested(depth: int) -> dict:
+    out: dict = {"type": "text"}
+    for _ in range(depth):
+        out = {"type": "text", "inner": out}
+    return out
+
+
 BAD = [
     # (endpoint, body (dict, or raw bytes), status, param, message fragment)
     (CHAT, b"{not json", 400, None, "not valid JSON"),
@@ -353,6 +360,19 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 0}, 400,
      "top_logprobs", "requires logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_tokens", ""),
+    # Values that overflow the gRPC message, text that is not Unicode, JSON no parser should recurse into:
+    (COMPLETIONS, {"prompt": "x", "top_k": 2 ** 31}, 400, "top_k", "up to 2147483647"),
+    (COMPLETIONS, {"prompt": "x", "top_k": 2 ** 63}, 400, "top_k", "up to 2147483647"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [2 ** 32]}, 400, "stop_token_ids", "token ids"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [5, 10 ** 6]}, 400, "stop_token_ids", "1000000"),
+    (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt", "surrogate"),
+    (COMPLETIONS, b'{"prompt": "x", "stop": ["ok", "\\uDC00"]}', 400, "stop", "surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages", "surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}', 400, "messages",
+     "messages.0.content.0.text"),
+    (COMPLETIONS, b'{"prompt": ' + b"[" * 1900 + b"]" * 1900 + b"}", 400, None, "nests deeper"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": _nested(100)}, 400, "response_format",
+     "nests deeper"),
 ]
 
 

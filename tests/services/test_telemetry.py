@@ -41,6 +41,7 @@ def stack(launcher, tmp_path_factory):
     files = tmp_path_factory.mktemp("traces")
     traces = {name: files / f"{name}.jsonl" for name in ("gateway", "verifier", "drafter")}
     drafter = _start(launcher, "drafter", "drafter", ["--method", "draft_model", "--name", "dm",
+                                                      "--model", str(demo_model_dir("drafter")),
                                                       "--log-level", "warning"], traces["drafter"])
     verifier = _start(launcher, "verifier", "verifier", ["--drafter", f"dm={drafter.address}",
                                                          "--model", str(MODEL_DIR), "--log-level", "warning"],

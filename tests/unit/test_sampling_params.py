@@ -26,6 +26,7 @@ def test_defaults():
         dict(top_k=0),
         dict(top_k=1),
         dict(top_k=100_000),
+        dict(top_k=2**31 - 1),
         dict(min_p=0.0),
         dict(min_p=1.0),
         dict(max_tokens=1),
@@ -62,6 +63,8 @@ def test_valid_values_accepted(kwargs):
         ("top_k", -2),
         ("top_k", -100),
         ("top_k", 2.5),
+        ("top_k", 2**31),  # int32 on the wire
+        ("top_k", 2**63),
         ("min_p", -0.1),
         ("min_p", 1.5),
         ("min_p", math.nan),
@@ -76,6 +79,7 @@ def test_valid_values_accepted(kwargs):
         ("stop_token_ids", [-1]),
         ("stop_token_ids", "2"),
         ("stop_token_ids", [1.5]),
+        ("stop_token_ids", [2**32]),  # uint32 on the wire
         ("logprobs", -1),
         ("logprobs", 10**6),
     ],
