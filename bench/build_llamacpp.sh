@@ -17,7 +17,7 @@
 #         JOBS=1 bash bench/build_llamacpp.sh     # fewer compile jobs
 #         bash bench/build_llamacpp.sh --print-dir   # just print the bin dir
 #         bash bench/build_llamacpp.sh --with-models  # also: converter venv + GGUFs:
-#             $TARGET_HF_DIR (default /tmp/smol) -> models/<name>-f32.gguf, -bf16.gguf,
+#             $TARGET_HF_DIR (default: the fetched default target, `specd models path target`) -> models/<name>-f32.gguf, -bf16.gguf,
 #             and a 2-layer stand-in draft (truncated target) -> models/draft-2l-f32.gguf
 #
 # The converter (convert_hf_to_gguf.py, vendored in the sdist) needs torch,
@@ -57,7 +57,7 @@ case "${1:-}" in
 esac
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONVERT_BASE_PYTHON="${CONVERT_BASE_PYTHON:-$REPO_ROOT/.venv/bin/python}"
-TARGET_HF_DIR="${TARGET_HF_DIR:-/tmp/smol}"
+TARGET_HF_DIR="${TARGET_HF_DIR:-$("$REPO_ROOT/.venv/bin/specd" models path target 2>/dev/null || echo /nonexistent)}"
 SENTENCEPIECE_SPEC="sentencepiece>=0.1.98,<0.3.0"
 
 log() { echo "[build_llamacpp] $*" >&2; }

@@ -9,8 +9,8 @@ Then, e.g.:
     python bench/llamacpp.py run --bin-dir ~/.cache/specd-bench/bin \\
         --model ~/.cache/specd-bench/models/smollm2-135m-instruct-f32.gguf \\
         --modes plain,spec,lookup --draft draft.gguf --threads 2 --max-tokens 128
-    python bench/llamacpp.py make-standin-draft --src /tmp/smol --out DIR --layers 2
-    python bench/llamacpp.py convert --hf-dir /tmp/smol --outtype f32 --out model.gguf
+    python bench/llamacpp.py make-standin-draft --src "$(specd models path target)" --out DIR --layers 2
+    python bench/llamacpp.py convert --hf-dir "$(specd models path target)" --outtype f32 --out model.gguf
 
 What is run and what is measured, per prompt:
 
