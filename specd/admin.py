@@ -11,14 +11,19 @@ STATUS_FIELDS = ("name", "address", "method", "state", "acceptance_rate", "draft
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specd import auth
+
     p.add_argument("--verifier", default="127.0.0.1:50051", help="verifier gRPC address (default 127.0.0.1:50051)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the verifier")
+    auth.add_arguments(p, server=False, client=True)  # default: the secret `specd up` left, if any
     sub = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     ls = sub.add_parser("list", help="drafters with health, acceptance and latency")
     ls.add_argument("--json", action="store_true", help="one JSON object per drafter")
     add = sub.add_parser("add", help="register a running drafter service")
     add.add_argument("name")
     add.add_argument("address", help="host:port of the drafter")
+    add.add_argument("--trusted", action="store_true",
+                     help="use its sparse q (it must hold the stack's shared secret); default: one-hot verification")
     rm = sub.add_parser("remove", help="drain and remove a drafter")
     rm.add_argument("name")
     rm.add_argument("--no-drain", action="store_true", help="drop in-flight proposals instead of draining")
@@ -36,17 +41,18 @@ def status_dict(status) -> dict:
 def run(args) -> int:
     import grpc
 
+    from specd import auth
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
-    with grpc.insecure_channel(args.verifier) as channel:
+    with auth.sync_channel(args.verifier, auth.from_args(args, auth.up_token_file(args.verifier)), auth.VERIFIER) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         try:
             if args.action == "list":
                 drafters = stub.ListDrafters(verifier_pb2.ListDraftersRequest(), timeout=args.timeout).drafters
                 _print_list([status_dict(d) for d in drafters], args.json)
             elif args.action == "add":
-                reply = stub.RegisterDrafter(verifier_pb2.RegisterDrafterRequest(name=args.name, address=args.address),
-                                             timeout=args.timeout)
+                reply = stub.RegisterDrafter(verifier_pb2.RegisterDrafterRequest(
+                    name=args.name, address=args.address, trusted=args.trusted), timeout=args.timeout)
                 print(json.dumps(status_dict(reply.drafter)))
             elif args.action == "swap":
                 from specd.docker_swap import swap

@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd.auth import Security, server_credentials, server_interceptors
+
 log = logging.getLogger("specd")
 
 # Large enough for a full-history resync of a long sequence plus sparse q for a batch.
@@ -35,14 +37,21 @@ def install_uvloop() -> None:
 
 
 async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
-                on_ready: Callable[[], Awaitable[None]] | None = None, name: str = "specd") -> None:
-    """Run until SIGINT/SIGTERM. add_services registers servicers and returns their full names."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+                on_ready: Callable[[], Awaitable[None]] | None = None, name: str = "specd",
+                security: Security | None = None, audience: str = "",
+                on_health: Callable[[health.aio.HealthServicer, list[str]], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM. add_services registers servicers and returns their full names.
+    security: the token callers must send (for `audience`) and TLS; on_health gets the health
+    servicer once serving, for services that report more than "the process is up"."""
+    security = security or Security()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(security, audience) or None)
     names = add_services(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    creds = server_credentials(security)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
     await server.start()
@@ -56,7 +65,10 @@ async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str,
         await on_ready()
     for service in ("", *names):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s listening on %s:%d", name, host, port)
+    if on_health is not None:
+        on_health(health_servicer, ["", *names])
+    log.info("%s listening on %s:%d%s%s", name, host, port, " (TLS)" if creds is not None else "",
+             "" if security.secret else "; gRPC authentication off (no shared secret)")
     await stop.wait()
     log.info("%s stopping", name)
     for service in ("", *names):

@@ -34,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-key", default=None)
+    p.add_argument("--admin-key", default=None, help="enables the gateway's /admin/* with this key")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="shared secret of the gRPC hops (default: $SPECD_AUTH_TOKEN, else a new random one, "
+                        "left for `specd drafters` in $SPECD_CACHE/up/verifier-PORT.token)")
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
 
 
@@ -72,13 +75,19 @@ def parse_drafter(value: str) -> tuple[str, str | None]:
 
 
 class Stack:
-    """Child processes with prefixed output; stop() terminates them all (then kills stragglers)."""
+    """Child processes with prefixed output; stop() terminates them all (then kills stragglers).
+    Every child gets the stack's shared secret in its environment (never on a command line)."""
 
-    def __init__(self):
+    def __init__(self, secret: str | None = None):
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.secret = secret
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        from specd.auth import TOKEN_ENV
+
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.secret:
+            env[TOKEN_ENV] = self.secret
         proc = subprocess.Popen([sys.executable, "-m", "specd.cli", *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
         threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
@@ -106,12 +115,14 @@ class Stack:
                 proc.wait()
 
 
-def grpc_serving(address: str) -> bool:
+def grpc_serving(address: str, security=None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from specd import auth
+
     try:
-        with grpc.insecure_channel(address) as channel:
+        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -128,13 +139,14 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def drafters_registered(address: str, names: list[str]) -> bool:
+def drafters_registered(address: str, names: list[str], security=None) -> bool:
     import grpc
 
+    from specd import auth
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
+        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
             reply = verifier_pb2_grpc.VerifierStub(channel).ListDrafters(verifier_pb2.ListDraftersRequest(),
                                                                          timeout=1.0)
     except grpc.RpcError:
@@ -168,7 +180,16 @@ def run(args) -> int:
             raise ValueError("--drafter draft_model needs a model (draft_model:DIR) when --target is not the default")
         drafters = [(m, model or model_store.default_drafter()) if m == "draft_model" else (m, model)
                     for m, model in drafters]
-    stack = Stack()
+    from specd import auth
+
+    # The stack's gRPC hops authenticate with one secret; its drafters hold it too, so they are
+    # registered trusted (their sparse q is used). `specd drafters` finds it in the token file.
+    secret = auth.read_secret(args.auth_token_file) or auth.generate_secret()
+    verifier = f"127.0.0.1:{args.verifier_port}"
+    token_file = auth.up_token_file(verifier)
+    auth.write_secret(token_file, secret)
+    security = auth.Security(secret=secret)
+    stack = Stack(secret)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -186,11 +207,10 @@ def run(args) -> int:
                 argv += ["--model", model]
             stack.start(f"drafter {name}", argv)
             checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a)))
-            drafter_flags += ["--drafter", f"{name}=127.0.0.1:{port}"]
+            drafter_flags += ["--trusted-drafter", f"{name}=127.0.0.1:{port}"]
             names.append(name)
             if drafter_metrics[i]:
                 metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
-        verifier = f"127.0.0.1:{args.verifier_port}"
         argv = ["verifier", "--model", target, "--port", str(args.verifier_port), "--metrics-port",
                 str(verifier_metrics), "--threads", str(args.threads), *drafter_flags, *log]
         if verifier_metrics:
@@ -202,7 +222,7 @@ def run(args) -> int:
         if args.max_model_len:
             argv += ["--max-model-len", str(args.max_model_len)]
         stack.start("verifier", argv)
-        checks.append(("verifier", lambda: grpc_serving(verifier) and drafters_registered(verifier, names)))
+        checks.append(("verifier", lambda: grpc_serving(verifier) and drafters_registered(verifier, names, security)))
         argv = ["gateway", "--verifier", verifier, "--host", args.host, "--port", str(args.port), *log]
         for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
             if value:
@@ -218,6 +238,8 @@ def run(args) -> int:
               f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
+        print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it)",
+              flush=True)
         print(f"try: curl -s {url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
@@ -229,3 +251,4 @@ def run(args) -> int:
         return 0
     finally:
         stack.stop()
+        token_file.unlink(missing_ok=True)

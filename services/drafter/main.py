@@ -8,6 +8,7 @@ DEFAULT_PORT = 50061
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specd import auth
     from specd.metrics_port import add_metrics_port_argument
 
     p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix"])
@@ -23,7 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="the most drafts per request (max k)")
     p.add_argument("--ttl-seconds", type=float, default=600.0,
                    help="forget a sequence no verifier touched for this long")
+    p.add_argument("--max-history-tokens", type=int, default=None,
+                   help="longest sequence it drafts for (default: 65536, or the draft model's context)")
+    p.add_argument("--max-sequences", type=int, default=1024,
+                   help="sequences it keeps state for, over all verifiers (least recently used go first)")
+    p.add_argument("--max-total-tokens", type=int, default=8 << 20,
+                   help="tokens of history it keeps over all sequences (the same eviction)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    auth.add_arguments(p, server=True, client=False)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
     p.add_argument("--log-level", default="info")
 
@@ -68,7 +76,11 @@ def run(args) -> int:
     from specd.metrics_port import start_metrics
     from specd.telemetry import setup_tracing
 
+    from specd import auth
+    from specd.drafter.server import DrafterLimits
+
     setup_logging(args.log_level)
+    security = auth.from_args(args)  # a bad secret file or certificate fails before the model loads
     setup_tracing("specd-drafter")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
     name = args.name or args.method
@@ -76,19 +88,23 @@ def run(args) -> int:
     # Before the model loads: a busy metrics port fails at once, not after the load.
     start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, f"drafter {name}")
     proposer, info = build_proposer(args)
+    history = args.max_history_tokens or min(65536, getattr(proposer, "max_model_len", None) or 65536)
+    limits = DrafterLimits(max_k=info.max_k, max_history_tokens=history, max_sequences=args.max_sequences,
+                           max_total_tokens=args.max_total_tokens)
     install_uvloop()
-    asyncio.run(_serve(args, proposer, info, metrics))
+    asyncio.run(_serve(args, proposer, info, metrics, limits, security))
     return 0
 
 
-async def _serve(args, proposer, info, metrics) -> None:
+async def _serve(args, proposer, info, metrics, limits, security) -> None:
     import asyncio
 
+    from specd.auth import DRAFTER
     from specd.drafter.server import DrafterService
     from specd.grpc_server import serve
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
-    service = DrafterService(proposer, info, args.ttl_seconds, metrics)
+    service = DrafterService(proposer, info, args.ttl_seconds, metrics, limits, security.secret)
 
     def add(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
@@ -96,6 +112,7 @@ async def _serve(args, proposer, info, metrics) -> None:
 
     expiry = asyncio.create_task(service.expire_loop())
     try:
-        await serve(add, args.host, args.port, name=f"drafter {info.name} ({info.method})")
+        await serve(add, args.host, args.port, name=f"drafter {info.name} ({info.method})", security=security,
+                    audience=DRAFTER)
     finally:
         expiry.cancel()

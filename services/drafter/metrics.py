@@ -18,6 +18,10 @@ class DrafterMetrics:
                                     registry=self.registry).labels(name)
         self.propose_seconds = Histogram("specd_drafter_propose_seconds", "Time to answer one propose batch",
                                          labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(name)
+        self.sequences = Gauge("specd_drafter_sequences", "Sequences the drafter keeps state for", labels,
+                               registry=self.registry).labels(name)
+        self.history_tokens = Gauge("specd_drafter_history_tokens", "Tokens of history kept over all sequences",
+                                    labels, registry=self.registry).labels(name)
         self.up = Gauge("specd_drafter_up", "1 while the drafter serves", labels, registry=self.registry).labels(name)
         self.up.set(1)
 
@@ -26,6 +30,10 @@ class DrafterMetrics:
         self.entries.inc(entries)
         self.draft_tokens.inc(draft_tokens)
         self.propose_seconds.observe(seconds)
+
+    def observe_state(self, sequences: int, tokens: int) -> None:
+        self.sequences.set(sequences)
+        self.history_tokens.set(tokens)
 
     def start_http_server(self, port: int, host: str = "0.0.0.0") -> int:
         return serve_metrics(self.registry, port, host)

@@ -3,7 +3,9 @@
 Several verifiers may share a drafter, so sequence ids are scoped by the client id each
 verifier sends; the proposer sees internal ids. Proposers are not thread-safe: every call
 into one runs on a single worker thread, off the event loop so streams stay responsive.
-State a verifier never releases (it died) goes after a TTL.
+State a verifier never releases (it died) goes after a TTL. Whatever a caller sends, the
+drafter keeps bounded state (DrafterLimits): k is clamped to its max, over-long histories get
+no drafts, and the least recently used sequences go when it holds too many or too many tokens.
 """
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
+from specd.auth import drafter_proof
 from specd.drafter.proposers.base import ProposeRequest
 from specd.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
@@ -25,19 +30,25 @@ _tracer = tracer("specd.drafter")
 
 
 class SequenceKeys:
-    """(client id, sequence id) <-> the proposer's internal id, with last-use times for the TTL."""
+    """(client id, sequence id) <-> the proposer's internal id, least recently used first, with
+    each sequence's committed length: the bounds on what a drafter keeps are enforced here."""
 
     def __init__(self):
         self._ids = itertools.count(1)
         self.internal: dict[tuple[str, int], int] = {}
-        self.touched: dict[int, float] = {}
+        self.touched: OrderedDict[int, float] = OrderedDict()  # least recently used first
+        self.lengths: dict[int, int] = {}
+        self.total_tokens = 0
 
-    def get(self, client: str, seq_id: int) -> int:
+    def get(self, client: str, seq_id: int, num_tokens: int = 0) -> int:
         key = (client, seq_id)
         internal = self.internal.get(key)
         if internal is None:
             internal = self.internal[key] = next(self._ids)
         self.touched[internal] = time.monotonic()
+        self.touched.move_to_end(internal)
+        self.total_tokens += num_tokens - self.lengths.get(internal, 0)
+        self.lengths[internal] = num_tokens
         return internal
 
     def pop(self, client: str, seq_ids) -> list[int]:
@@ -45,30 +56,81 @@ class SequenceKeys:
         for sid in seq_ids:
             internal = self.internal.pop((client, sid), None)
             if internal is not None:
-                self.touched.pop(internal, None)
+                self._forget(internal)
                 out.append(internal)
         return out
 
+    def _forget(self, internal: int) -> None:
+        self.touched.pop(internal, None)
+        self.total_tokens -= self.lengths.pop(internal, 0)
+
+    def _drop(self, internals: set[int]) -> None:
+        for key in [k for k, i in self.internal.items() if i in internals]:
+            del self.internal[key]
+        for i in internals:
+            self._forget(i)
+
     def pop_expired(self, ttl: float) -> list[int]:
         now = time.monotonic()
-        expired = {i for i, t in self.touched.items() if now - t > ttl}
-        for key in [k for k, i in self.internal.items() if i in expired]:
-            del self.internal[key]
-        for i in expired:
-            del self.touched[i]
+        expired = set()
+        for i, t in self.touched.items():  # oldest first
+            if now - t <= ttl:
+                break
+            expired.add(i)
+        self._drop(expired)
         return sorted(expired)
+
+    def evict(self, max_sequences: int, max_total_tokens: int, keep: set[int]) -> list[int]:
+        """Least recently used sequences (never those in `keep`) until both bounds hold."""
+        evicted: set[int] = set()
+        count, total = len(self.touched), self.total_tokens
+        for i in self.touched:
+            if count <= max_sequences and total <= max_total_tokens:
+                break
+            if i in keep:
+                continue
+            evicted.add(i)
+            count -= 1
+            total -= self.lengths.get(i, 0)
+        self._drop(evicted)
+        return sorted(evicted)
+
+
+@dataclass(frozen=True)
+class DrafterLimits:
+    """What one drafter accepts; a batch beyond them costs its sender drafts, not our memory."""
+
+    max_k: int = 8  # drafts per sequence (larger k is clamped)
+    max_history_tokens: int = 65536  # longer sequences get no drafts and no state
+    max_sequences: int = 1024  # sequences kept, over all verifiers (least recently used evicted)
+    max_total_tokens: int = 8 << 20  # tokens kept over all sequences (the same eviction)
+
+    def __post_init__(self) -> None:
+        for name in ("max_k", "max_history_tokens", "max_sequences", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, proposer, info: drafter_pb2.DrafterInfoResponse, ttl_seconds: float = 600.0,
-                 metrics=None):
-        self.proposer, self.info, self.ttl = proposer, info, ttl_seconds
+                 metrics=None, limits: DrafterLimits | None = None, secret: str | None = None):
+        self.proposer, self.ttl = proposer, ttl_seconds
+        self.limits = limits or DrafterLimits(max_k=info.max_k or 8)
+        self.info = drafter_pb2.DrafterInfoResponse()
+        self.info.CopyFrom(info)
+        self.info.max_history_tokens = self.limits.max_history_tokens
+        self.secret = secret
         self.keys = SequenceKeys()
         self.metrics = metrics
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proposer")
 
     async def Info(self, request, context):
-        return self.info
+        if not (request.challenge and self.secret):
+            return self.info
+        reply = drafter_pb2.DrafterInfoResponse()
+        reply.CopyFrom(self.info)
+        reply.proof = drafter_proof(self.secret, request.challenge[:64])
+        return reply
 
     async def Release(self, request, context):
         internal = self.keys.pop(request.client_id, request.seq_ids)
@@ -84,24 +146,48 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                                                kind=trace.SpanKind.SERVER) as span:
                 t0 = time.perf_counter_ns()
                 released = self.keys.pop(batch.client_id, batch.release)
-                requests = [self._request(batch.client_id, e) for e in batch.entries]
+                requests, answered, unknown = self._requests(batch, released)
                 proposals = await loop.run_in_executor(self.worker, self._propose, requests, released)
+                by_entry = dict(zip(answered, proposals))
                 out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id, propose_ns=time.perf_counter_ns() - t0)
-                for entry, p in zip(batch.entries, proposals):
+                for i, entry in enumerate(batch.entries):
+                    p = by_entry.get(i)
+                    if p is None:  # beyond our limits (no drafts, no state) or unknown here (resync)
+                        out.proposals.add(seq_id=entry.seq_id, resync=i in unknown)
+                        continue
                     msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync)
                     for ids, probs in zip(p.q_ids or [], p.q_probs or []):
                         msg.q.add(ids=ids, probs=probs)
                 num_drafts = sum(len(p.token_ids) for p in proposals)
                 if self.metrics is not None:
                     self.metrics.observe_batch(len(batch.entries), num_drafts, (time.perf_counter_ns() - t0) / 1e9)
+                    self.metrics.observe_state(len(self.keys.touched), self.keys.total_tokens)
                 if span.is_recording():
                     span.set_attributes({"specd.drafter": self.info.name, "specd.batch_size": len(batch.entries),
                                          "specd.spec.draft_tokens": num_drafts, "specd.released": len(released)})
             yield out
 
+    def _requests(self, batch, released: list[int]) -> tuple[list[ProposeRequest], list[int], set[int]]:
+        """The batch's entries within our limits (and their indices), and the indices of deltas on
+        sequences unknown here (answered "resync" without a key: only a full history makes one).
+        Sequences beyond the limits are forgotten; the least recently used go when we hold too much."""
+        lim = self.limits
+        requests, answered, unknown = [], [], set()
+        for i, e in enumerate(batch.entries):
+            too_long = e.num_tokens > lim.max_history_tokens or len(e.new_tokens) > e.num_tokens
+            if too_long or len(requests) >= lim.max_sequences:
+                released += self.keys.pop(batch.client_id, [e.seq_id])
+            elif not e.full_history and (batch.client_id, e.seq_id) not in self.keys.internal:
+                unknown.add(i)
+            else:
+                requests.append(self._request(batch.client_id, e))
+                answered.append(i)
+        released += self.keys.evict(lim.max_sequences, lim.max_total_tokens, keep={r.seq_id for r in requests})
+        return requests, answered, unknown
+
     def _request(self, client: str, e: drafter_pb2.ProposeEntry) -> ProposeRequest:
-        return ProposeRequest(seq_id=self.keys.get(client, e.seq_id), new_tokens=list(e.new_tokens),
-                              num_tokens=e.num_tokens, k=e.k, full_history=e.full_history,
+        return ProposeRequest(seq_id=self.keys.get(client, e.seq_id, e.num_tokens), new_tokens=list(e.new_tokens),
+                              num_tokens=e.num_tokens, k=min(e.k, self.limits.max_k), full_history=e.full_history,
                               temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
                               num_prompt_tokens=e.num_prompt_tokens or None)
 

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specd.auth import VERIFIER, aio_channel
 from specd.telemetry import tracer
 from specd.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
@@ -53,7 +54,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # grpc.aio channels belong to the event loop that creates them: create it on the app's own.
-        channel = grpc.aio.insecure_channel(self.config.verifier)
+        channel = aio_channel(self.config.verifier, self.config.security, VERIFIER)
         self.stub = verifier_pb2_grpc.VerifierStub(channel)
         try:
             yield
@@ -231,6 +232,14 @@ class TraceRequests:
             await self.app(scope, receive, send_and_note)
 
 
+def disabled(handler: Handler) -> Handler:
+    async def refuse(request: Request) -> Response:
+        raise APIError(403, "the admin API is disabled: start the gateway with --admin-key KEY (or --open-admin, "
+                            "without a key, on a trusted network only)", code="admin_disabled")
+
+    return refuse
+
+
 def require_key(key: str | None, handler: Handler) -> Handler:
     if key is None:
         return handler
@@ -263,7 +272,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> Starlette:
     gw = Gateway(config, model, tokenizer)
-    api, adm = config.api_key, config.admin_key
+    api = config.api_key
+    # Admin fails closed: no key means no admin API, unless --open-admin says otherwise.
+    guard_admin = (lambda h: require_key(config.admin_key, h)) if config.admin_key or config.open_admin else disabled
     drafters = admin.DrafterAdmin(lambda: gw.stub, config.max_body_bytes)
     routes = [
         Route("/v1/chat/completions", require_key(api, gw.chat_completions), methods=["POST"]),
@@ -271,9 +282,9 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
         Route("/v1/models", require_key(api, gw.models), methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics_endpoint, methods=["GET"]),
-        Route("/admin/drafters", require_key(adm, drafters.list), methods=["GET"]),
-        Route("/admin/drafters", require_key(adm, drafters.register), methods=["POST"]),
-        Route("/admin/drafters/{name}", require_key(adm, drafters.remove), methods=["DELETE"]),
+        Route("/admin/drafters", guard_admin(drafters.list), methods=["GET"]),
+        Route("/admin/drafters", guard_admin(drafters.register), methods=["POST"]),
+        Route("/admin/drafters/{name}", guard_admin(drafters.remove), methods=["DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=gw.lifespan,
                     middleware=[Middleware(CountRequests, metrics=gw.metrics), Middleware(TraceRequests)],

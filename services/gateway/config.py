@@ -1,7 +1,9 @@
 """The gateway's settings (from the command line) and what it learns from the verifier at startup."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specd.auth import Security
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -12,11 +14,13 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required on /v1/* when set
-    admin_key: str | None = None  # required on /admin/* when set
+    admin_key: str | None = None  # required on /admin/*; without it /admin/* is disabled...
+    open_admin: bool = False  # ...unless opened explicitly (no key: for a trusted network only)
     tokenizer: str | None = None  # directory; default: the verifier's model directory
     served_model_name: str | None = None  # default: the verifier's model name
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     verifier_wait_s: float = 60.0  # how long startup waits for the verifier to answer Info
+    security: Security = field(default_factory=Security)  # the verifier hop: shared secret, TLS CA
 
     def __post_init__(self) -> None:
         if not self.verifier or ":" not in self.verifier:
@@ -25,6 +29,8 @@ class GatewayConfig:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.open_admin and self.admin_key:
+            raise ValueError("--open-admin serves /admin/* without a key; it cannot be combined with --admin-key")
         if self.verifier_wait_s <= 0:
             raise ValueError(f"--verifier-wait must be > 0 seconds, got {self.verifier_wait_s}")
 

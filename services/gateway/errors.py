@@ -5,8 +5,8 @@ from starlette.responses import JSONResponse
 
 # The OpenAI error "type" per HTTP status; clients branch on the status, humans read the type.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error"}
+          403: "permission_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):
@@ -30,8 +30,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 # gRPC status (by name) -> HTTP status, for Generate and the admin RPCs alike; anything else is a 500.
-_GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
-                 "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# UNAUTHENTICATED means the gateway's own credentials are wrong (a deployment error, not the client's).
+_GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "PERMISSION_DENIED": 403,
+                 "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAUTHENTICATED": 502,
+                 "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 
 
 def from_grpc(err) -> APIError:

@@ -9,6 +9,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from specd import auth
+
 from .config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, ModelInfo
 
 HELP = "serve the OpenAI HTTP API (chat/completions, SSE) in front of a verifier"
@@ -20,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    parser.add_argument("--admin-key", default=None, help="require `Authorization: Bearer KEY` on /admin/*")
+    parser.add_argument("--admin-key", default=None,
+                        help="enable /admin/* behind `Authorization: Bearer KEY` (without it /admin/* answers 403)")
+    parser.add_argument("--open-admin", action="store_true",
+                        help="enable /admin/* without a key (a trusted network only)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the verifier's model)")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the verifier's)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -28,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier-wait", type=float, default=60.0,
                         help="seconds to wait at startup for the verifier to answer")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    auth.add_arguments(parser, server=False, client=True)  # the verifier hop: shared secret, --tls-ca
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,33 +43,37 @@ def run(args: argparse.Namespace) -> int:
 
     from specd.telemetry import setup_tracing
 
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
     config = GatewayConfig(verifier=args.verifier, host=args.host, port=args.port, api_key=args.api_key,
-                           admin_key=args.admin_key, tokenizer=args.tokenizer,
+                           admin_key=args.admin_key, open_admin=args.open_admin, tokenizer=args.tokenizer,
                            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                           verifier_wait_s=args.verifier_wait)
+                           verifier_wait_s=args.verifier_wait, security=auth.from_args(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.
-    return uvloop.run(_serve(config, args.log_level))
+    return uvloop.run(_serve(config, args.log_level, args.ssl_certfile, args.ssl_keyfile))
 
 
-async def _serve(config: GatewayConfig, log_level: str) -> int:
+async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None) -> int:
     import uvicorn
 
     from .app import build_app
 
-    info = await wait_for_info(config.verifier, config.verifier_wait_s)
+    info = await wait_for_info(config.verifier, config.verifier_wait_s, config.security)
     tokenizer = load_tokenizer(config.tokenizer or info.model, info.vocab_hash)
     model = ModelInfo(name=config.served_model_name or info.model_name, path=info.model,
                       max_model_len=info.max_model_len, vocab_size=info.vocab_size)
     log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len, config.verifier)
     server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,
-                                           log_level=log_level, timeout_graceful_shutdown=5))
+                                           log_level=log_level, timeout_graceful_shutdown=5,
+                                           ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
     await server.serve()
     return 0
 
 
-async def wait_for_info(address: str, wait_s: float):
+async def wait_for_info(address: str, wait_s: float, security=None):
     """Verifier.Info, retried until it answers or wait_s passes (the verifier may still be loading)."""
     import asyncio
 
@@ -71,13 +83,15 @@ async def wait_for_info(address: str, wait_s: float):
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with auth.aio_channel(address, security, auth.VERIFIER) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         while True:
             try:
                 return await stub.Info(verifier_pb2.InfoRequest(), wait_for_ready=True,
                                        timeout=max(0.1, deadline - loop.time()))
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise RuntimeError(f"the verifier at {address} refused our credentials: {e.details()}") from None
                 if loop.time() >= deadline:
                     raise RuntimeError(f"the verifier at {address} did not answer within {wait_s:g} s "
                                        f"({e.code().name}: {e.details()})") from None

@@ -180,6 +180,11 @@ class RegisterDrafterBody(_Body):
 
 async def read_json(request: Request, model: type[BaseModel], limit: int) -> Any:
     """The body parsed as `model`; 413 as soon as it is known to exceed `limit` bytes (declared or streamed)."""
+    # Only JSON bodies: a browser sends text/plain or a form cross-site without asking (CSRF),
+    # but application/json only after a CORS preflight this server never grants.
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {media_type or 'none'}")
     too_large = APIError(413, f"request body exceeds the limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections import deque
 
 import grpc
 
+from specd.auth import DRAFTER, TOKEN_ENV, Security, aio_channel, check_proof
 from specd.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -24,8 +26,28 @@ MAX_MISSES = 2  # deadlines missed in a row before a drafter is taken out of rot
 RECONNECT_MIN_S, RECONNECT_MAX_S = 0.2, 5.0
 
 
+# A drafter's reply is ids and a few numbers per draft: 16 MiB holds 256 sequences x 32 drafts
+# with a q of 256 entries each. Larger is a broken or hostile drafter (a 7M-id proposal made
+# requests 31x slower before this bound); the stream breaks and the drafter leaves rotation.
+MAX_REPLY_BYTES = 16 << 20
+DRAFTER_CHANNEL_OPTIONS = [opt for opt in CHANNEL_OPTIONS if opt[0] != "grpc.max_receive_message_length"] + [
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
+
+
 class VocabularyMismatch(ValueError):
     pass
+
+
+class TrustRefused(PermissionError):
+    """A drafter registered as trusted could not prove it holds the stack's secret."""
+
+
+class TrustUnavailable(ValueError):
+    """Trust was asked of a verifier that has no shared secret to authenticate drafters with."""
+
+
+class ProtocolViolation(ConnectionError):
+    """The drafter sent something the protocol does not allow (an unsolicited reply)."""
 
 
 def check_vocabulary(info: drafter_pb2.DrafterInfoResponse, vocab_size: int, vocab_hash: str) -> None:
@@ -43,10 +65,15 @@ def check_vocabulary(info: drafter_pb2.DrafterInfoResponse, vocab_size: int, voc
 
 class DrafterClient:
     def __init__(self, name: str, address: str, client_id: str, timeout_s: float,
-                 vocab_size: int, vocab_hash: str):
+                 vocab_size: int, vocab_hash: str, security: Security | None = None, trusted: bool = False):
         self.name, self.address, self.client_id, self.timeout_s = name, address, client_id, timeout_s
         self.vocab_size, self.vocab_hash = vocab_size, vocab_hash
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.security = security or Security()
+        if trusted and not self.security.secret:
+            raise TrustUnavailable(f"drafter {name!r} cannot be trusted: trust needs authentication, and this verifier "
+                             f"has no shared secret (--auth-token-file or ${TOKEN_ENV})")
+        self.trusted = trusted  # its sparse q is used (it proved it holds the secret at every connect)
+        self.channel = aio_channel(address, self.security, DRAFTER, options=DRAFTER_CHANNEL_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.info: drafter_pb2.DrafterInfoResponse | None = None
         self.state = "connecting"
@@ -60,7 +87,8 @@ class DrafterClient:
         self._breaks = 0  # breaks since the last real proposal: the reconnect backoff grows with it
         self.releases: list[int] = []  # sent with the next batch
         self.rtt_s: deque[float] = deque(maxlen=512)
-        self.proposals = self.timeouts = 0
+        self.proposals = self.timeouts = self.violations = 0
+        self._late: deque[int] = deque(maxlen=64)  # batch ids whose deadline passed: a reply may still come
         self.on_rtt = None  # metrics hook: fn(seconds)
         self.rank = 0  # the pool's default choice goes to the lowest rank among healthy drafters
 
@@ -72,12 +100,24 @@ class DrafterClient:
     def max_k(self) -> int:
         return self.info.max_k if self.info and self.info.max_k else 1 << 30
 
-    async def connect(self) -> None:
-        """Info, vocabulary check, open the stream and one warm-up round trip; raises on failure."""
-        info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=max(self.timeout_s, 5.0),
-                                    wait_for_ready=True)
+    @property
+    def max_history_tokens(self) -> int:
+        return self.info.max_history_tokens if self.info and self.info.max_history_tokens else 1 << 62
+
+    async def _info(self, timeout: float, wait_for_ready: bool = False) -> drafter_pb2.DrafterInfoResponse:
+        """Info with the vocabulary check and, for a trusted drafter, its proof of the secret."""
+        challenge = os.urandom(32) if self.trusted else b""
+        info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(challenge=challenge), timeout=timeout,
+                                    wait_for_ready=wait_for_ready)
         check_vocabulary(info, self.vocab_size, self.vocab_hash)
-        self.info = info
+        if self.trusted and not check_proof(self.security.secret, challenge, info.proof):
+            raise TrustRefused(f"drafter {self.name!r} at {self.address} did not prove it holds the shared secret; "
+                               "start it with the stack's --auth-token-file, or register it untrusted")
+        return info
+
+    async def connect(self) -> None:
+        """Info, vocabulary and trust checks, open the stream and one warm-up round trip; raises on failure."""
+        self.info = await self._info(max(self.timeout_s, 5.0), wait_for_ready=True)
         await self._open_stream()
 
     async def _open_stream(self) -> None:
@@ -95,6 +135,11 @@ class DrafterClient:
                 future = self._pending.pop(msg.batch_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg)
+                elif msg.batch_id in self._late:  # the reply to a batch whose deadline passed
+                    self._late.remove(msg.batch_id)
+                else:  # never asked for, or answered twice: a flood, not a drafter
+                    self.violations += 1
+                    raise ProtocolViolation(f"unsolicited reply (batch id {msg.batch_id})")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 — any stream failure: out of rotation, reconnect
@@ -114,6 +159,7 @@ class DrafterClient:
         done, _ = await asyncio.wait({future}, timeout=max(self.timeout_s, 5.0) if warmup else self.timeout_s)
         if not done:
             self._pending.pop(batch.batch_id, None)
+            self._late.append(batch.batch_id)
             self.timeouts += 1
             self._misses += 1
             if warmup or self._misses >= MAX_MISSES or not writer.done():
@@ -133,7 +179,7 @@ class DrafterClient:
     def mark_broken(self, error: BaseException) -> None:
         if self.state in ("removed", "unhealthy"):
             return
-        self.last_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        self.last_error = describe(error)
         log.warning("drafter %s (%s) unhealthy: %s", self.name, self.address, self.last_error)
         self.state = "unhealthy"
         self._breaks += 1
@@ -158,9 +204,7 @@ class DrafterClient:
         while self.state == "unhealthy":
             await asyncio.sleep(delay)
             try:
-                info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=1.0)
-                check_vocabulary(info, self.vocab_size, self.vocab_hash)
-                self.info = info
+                self.info = await self._info(1.0)
                 self.releases.clear()  # a restarted drafter has no state to release
                 await self._open_stream()
                 log.info("drafter %s (%s) healthy again", self.name, self.address)
@@ -169,7 +213,7 @@ class DrafterClient:
                 raise
             except Exception as e:  # noqa: BLE001
                 if self.state == "unhealthy":
-                    self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                    self.last_error = describe(e)
                 self._close_stream()
                 self.state = "unhealthy" if self.state != "removed" else self.state
                 delay = min(delay * 2, RECONNECT_MAX_S)
@@ -193,6 +237,15 @@ class DrafterClient:
             return 0.0
         values = sorted(self.rtt_s)
         return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def describe(error: BaseException) -> str:
+    """One line for last_error: a gRPC status with its details, else the exception's first line."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        text = f"{error.code().name}: {error.details()}"
+    else:
+        text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return text[:300]
 
 
 def _consume_exception(task: asyncio.Future) -> None:

@@ -5,15 +5,18 @@ Routing: a request may name its drafter; otherwise a sequence stays with the dra
 holds its state while that one is healthy, else goes to the first healthy drafter in
 registration order. Moving to another drafter costs one step's drafts (the new one
 answers "resync" and gets the full history next step). A drafter that is slow, dead or
-talks nonsense costs drafts, never requests: its answers are validated by the speculator
-and a missed deadline simply means no drafts this step.
+talks nonsense costs drafts, never requests: its answers are bounded here, validated by the
+speculator, and a missed deadline simply means no drafts this step. Only trusted drafters'
+sparse q reach the speculator; everyone else's drafts are verified as one-hot (DESIGN §4).
 """
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
 import uuid
 
+from specd.auth import Security
 from specd.drafter.proposers.base import Proposal, ProposeRequest
 from specd.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
@@ -24,10 +27,18 @@ log = logging.getLogger("specd.verifier.pool")
 DEFAULT_PROPOSE_TIMEOUT_S = 0.25
 
 
+LOOPBACK = ["127.*:*", "localhost:*", "::1:*"]
+# The widest sparse q a drafter may send per draft (draft_model sends its draft top-k, 16 by default).
+MAX_Q_WIDTH = 256
+
+
 class DrafterPool:
     def __init__(self, vocab_size: int, vocab_hash: str, timeout_s: float = DEFAULT_PROPOSE_TIMEOUT_S,
-                 metrics=None):
+                 metrics=None, security: Security | None = None, allowed_addresses: list[str] | None = None):
         self.vocab_size, self.vocab_hash, self.timeout_s = vocab_size, vocab_hash, timeout_s
+        self.security = security or Security()
+        # RegisterDrafter makes us connect (and send our drafter token) to an address: only to these.
+        self.allowed_addresses = list(allowed_addresses if allowed_addresses is not None else LOOPBACK)
         self.client_id = uuid.uuid4().hex  # scopes our sequence ids at drafters shared by several verifiers
         self.drafters: dict[str, DrafterClient] = {}
         self.seq_drafter: dict[int, str] = {}  # where each sequence's drafter-side state lives
@@ -38,13 +49,15 @@ class DrafterPool:
         self._background: set[asyncio.Task] = set()
 
     # -- administration --------------------------------------------------------
-    async def register(self, name: str, address: str, rank: int | None = None) -> DrafterClient:
-        """rank orders the default choice (lower first); runtime additions go last."""
+    async def register(self, name: str, address: str, rank: int | None = None, trusted: bool = False) -> DrafterClient:
+        """rank orders the default choice (lower first); runtime additions go last. A trusted
+        drafter's sparse q is used; it must prove it holds the shared secret (DrafterClient)."""
         if not name or not address:
             raise ValueError("a drafter needs a name and an address (host:port)")
         if name in self.drafters:
             raise KeyError(f"a drafter named {name!r} is already registered (at {self.drafters[name].address})")
-        client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash)
+        client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash,
+                               self.security, trusted)
         try:
             await client.connect()
         except BaseException:
@@ -57,8 +70,22 @@ class DrafterPool:
             client.on_rtt = self.metrics.propose_rtt.labels(name).observe
         client.rank = rank if rank is not None else max((c.rank for c in self.drafters.values()), default=0) + 1000
         self.drafters = dict(sorted({**self.drafters, name: client}.items(), key=lambda kv: kv[1].rank))
-        log.info("drafter %s registered: %s at %s (max k %d)", name, client.info.method, address, client.info.max_k)
+        log.info("drafter %s registered: %s at %s (max k %d, %s)", name, client.info.method, address,
+                 client.info.max_k, "trusted" if trusted else "untrusted: drafts verified as one-hot")
         return client
+
+    def check_address(self, address: str) -> None:
+        """PermissionError unless address (host:port) matches an allowed pattern (fnmatch per part)."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        for pattern in self.allowed_addresses:
+            if pattern == "*":
+                return
+            phost, _, pport = pattern.rpartition(":")
+            if fnmatch.fnmatchcase(host, phost.strip("[]") or "*") and fnmatch.fnmatchcase(port, pport or "*"):
+                return
+        raise PermissionError(f"drafter address {address!r} is not allowed; the verifier registers drafters only at "
+                              f"{', '.join(self.allowed_addresses)} (--allow-drafter-address)")
 
     async def remove(self, name: str, drain: bool = True) -> None:
         client = self.drafters.get(name)
@@ -85,7 +112,7 @@ class DrafterPool:
                 draft_tokens=s.draft_tokens if s else 0, accepted_tokens=s.accepted_tokens if s else 0,
                 acceptance_rate=s.acceptance_rate if s else 0.0,
                 propose_p50_ms=c.rtt_quantile(0.5) * 1e3, propose_p99_ms=c.rtt_quantile(0.99) * 1e3,
-                timeouts=c.timeouts, last_error=c.last_error))
+                timeouts=c.timeouts, last_error=c.last_error, trusted=c.trusted, violations=c.violations))
         return out
 
     # -- requests ----------------------------------------------------------------
@@ -134,8 +161,8 @@ class DrafterPool:
         out: list[Proposal] = []
         for req in requests:
             client = self._route(req.seq_id)
-            if client is None:
-                continue  # no drafter: no drafts (the speculator resends the history later)
+            if client is None or req.num_tokens > client.max_history_tokens:
+                continue  # no drafter (or none that keeps this much): no drafts, the history goes again later
             previous = self.seq_drafter.get(req.seq_id)
             if previous != client.name:
                 self.seq_drafter[req.seq_id] = client.name
@@ -170,10 +197,33 @@ class DrafterPool:
                 client.mark_broken(e)
             # The drafter may or may not have applied these deltas: resend the full history.
             return [Proposal(seq_id=r.seq_id, token_ids=[], resync=True) for r in requests]
-        return [Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
-                         q_ids=[list(d.ids) for d in p.q] or None, q_probs=[list(d.probs) for d in p.q] or None,
-                         resync=p.resync, drafter=client.name)
-                for p in reply.proposals]
+        return self._checked(client, requests, reply)
+
+    def _checked(self, client: DrafterClient, requests: list[ProposeRequest], reply) -> list[Proposal]:
+        """The reply within the protocol's bounds, looked at through len() before anything is
+        copied: one proposal per sequence asked, at most its k drafts, q (if any) one row per
+        draft, each at most MAX_Q_WIDTH wide. A proposal out of bounds is dropped (a violation);
+        ids and q values are checked by the speculator. An untrusted drafter's q is dropped
+        unread: its drafts are verified as one-hot, which is exact whoever chose them."""
+        asked = {r.seq_id: min(r.k, client.max_k) for r in requests}
+        out, seen, violations = [], set(), 0
+        for p in reply.proposals:
+            k = asked.get(p.seq_id)
+            n = len(p.token_ids)
+            if k is None or p.seq_id in seen or n > k or (len(p.q) and len(p.q) != n) or (
+                    client.trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)):
+                violations += 1
+                continue
+            seen.add(p.seq_id)
+            use_q = client.trusted and len(p.q) > 0
+            out.append(Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
+                                q_ids=[list(d.ids) for d in p.q] if use_q else None,
+                                q_probs=[list(d.probs) for d in p.q] if use_q else None,
+                                resync=p.resync, drafter=client.name))
+        if violations:
+            client.violations += violations
+            log.warning("drafter %s: %d proposal(s) out of bounds dropped", client.name, violations)
+        return out
 
 
 class PoolProposer:

@@ -15,6 +15,7 @@ def _drafter_arg(value: str) -> tuple[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specd import auth
     from specd.metrics_port import add_metrics_port_argument
 
     p.add_argument("--model", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
@@ -22,7 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     add_metrics_port_argument(p)
     p.add_argument("--drafter", action="append", default=[], type=_drafter_arg, metavar="NAME=ADDR",
-                   help="a drafter service to register at start (repeatable; more can be added at runtime)")
+                   help="a drafter service to register at start (repeatable; more can be added at runtime); "
+                        "its drafts are verified as one-hot")
+    p.add_argument("--trusted-drafter", action="append", default=[], type=_drafter_arg, metavar="NAME=ADDR",
+                   help="like --drafter, and its sparse q is used (sampled drafts accepted more often); needs the "
+                        "shared secret here and at the drafter, which must prove it holds it")
+    p.add_argument("--allow-drafter-address", action="append", default=None, metavar="HOST:PORT",
+                   help="where RegisterDrafter may point (repeatable; globs per part, e.g. 'drafter-*:*'; '*': "
+                        "anywhere). Default: loopback and the hosts of --drafter/--trusted-drafter")
     p.add_argument("--speculative-config", default=None,
                    help='JSON with vLLM\'s keys (num_speculative_tokens, rejection_sample_method, adaptive, ...); '
                         'with "method" the proposer runs in-process instead of in drafter services')
@@ -40,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
     p.add_argument("--log-level", default="info")
+    auth.add_arguments(p, server=True, client=True)  # --tls-ca: verify drafters' certificates
 
 
 def run(args) -> int:
@@ -52,7 +61,10 @@ def run(args) -> int:
     from specd.telemetry import setup_tracing
     from specd.verifier.metrics import VerifierMetrics
 
+    from specd import auth
+
     setup_logging(args.log_level)
+    security = auth.from_args(args)  # a bad secret file or certificate fails before the model loads
     setup_tracing("specd-verifier")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
     model = args.model or default_model()
@@ -61,24 +73,39 @@ def run(args) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           seed=args.seed)
     spec = None if args.no_speculation else (SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig())
-    if args.drafter and spec is None:
+    startup = [(name, address, False) for name, address in args.drafter] + [
+        (name, address, True) for name, address in args.trusted_drafter]
+    if startup and spec is None:
         raise ValueError("--drafter needs speculation; drop --no-speculation")
-    if spec is not None and spec.method is not None and args.drafter:
+    if args.trusted_drafter and not security.secret:
+        raise ValueError(f"--trusted-drafter needs authentication: give the shared secret (--auth-token-file or "
+                         f"${auth.TOKEN_ENV}) here and to the drafter")
+    if spec is not None and spec.method is not None and startup:
         raise ValueError("--drafter and an in-process speculative method are exclusive; drop 'method' "
                          "from --speculative-config to use drafter services")
     metrics = VerifierMetrics()
     # Before the model loads: a busy metrics port fails at once, not after the load.
     start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, "verifier")
     install_uvloop()
-    asyncio.run(_serve(args, config, spec, metrics))
+    asyncio.run(_serve(args, config, spec, metrics, security, startup))
     return 0
 
 
-async def _serve(args, config, spec, metrics) -> None:
+def allowed_addresses(patterns: list[str] | None, startup: list[tuple[str, str, bool]]) -> list[str]:
+    """--allow-drafter-address, else loopback plus the hosts the command line names."""
+    from specd.verifier.drafter_pool import LOOPBACK
+
+    if patterns is not None:
+        return patterns
+    return [*LOOPBACK, *sorted({f"{address.rpartition(':')[0]}:*" for _, address, _ in startup})]
+
+
+async def _serve(args, config, spec, metrics, security, startup) -> None:
     import asyncio
     import logging
     from pathlib import Path
 
+    from specd.auth import VERIFIER
     from specd.engine.llm_engine import LLMEngine
     from specd.grpc_server import serve
     from specd.tokenizer import vocab_hash_of
@@ -95,7 +122,8 @@ async def _serve(args, config, spec, metrics) -> None:
 
         model_dir = resolve_model_dir(config.model)
         pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
-                           args.propose_timeout_ms / 1e3, metrics)
+                           args.propose_timeout_ms / 1e3, metrics, security,
+                           allowed_addresses(args.allow_drafter_address, startup))
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
     engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None))
     info = verifier_pb2.InfoResponse(
@@ -108,14 +136,14 @@ async def _serve(args, config, spec, metrics) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierService(async_engine, info), server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
-    async def register_at_start(name: str, address: str, rank: int) -> None:
+    async def register_at_start(name: str, address: str, rank: int, trusted: bool) -> None:
         """Drafters named on the command line may start after us (compose): retry until one answers."""
         delay = 0.5
         while True:
             try:
-                await pool.register(name, address, rank)
+                await pool.register(name, address, rank, trusted)
                 return
-            except (KeyError, ValueError) as e:  # duplicate name or wrong vocabulary: retrying cannot help
+            except (KeyError, ValueError, PermissionError) as e:  # duplicate, wrong vocabulary, no proof: final
                 log.error("drafter %s at %s refused: %s", name, address, e)
                 return
             except Exception as e:  # noqa: BLE001
@@ -125,13 +153,14 @@ async def _serve(args, config, spec, metrics) -> None:
 
     async def ready():
         async_engine.start()
-        for rank, (name, address) in enumerate(args.drafter):  # the first named is the default drafter
-            background.append(asyncio.create_task(register_at_start(name, address, rank)))
+        for rank, (name, address, trusted) in enumerate(startup):  # the first named is the default drafter
+            background.append(asyncio.create_task(register_at_start(name, address, rank, trusted)))
 
     background: list[asyncio.Task] = []
 
     try:
-        await serve(add, args.host, args.port, on_ready=ready, name=f"verifier ({info.model_name})")
+        await serve(add, args.host, args.port, on_ready=ready, name=f"verifier ({info.model_name})",
+                    security=security, audience=VERIFIER)
     finally:
         for task in background:
             task.cancel()

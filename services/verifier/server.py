@@ -10,7 +10,7 @@ from opentelemetry import trace
 from specd.telemetry import extract_metadata, tracer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.verifier.async_engine import AsyncEngine, EngineFailure
-from specd.verifier.drafter_client import VocabularyMismatch
+from specd.verifier.drafter_client import TrustUnavailable, VocabularyMismatch
 from specd.wire import params_from_proto
 
 _tracer = tracer("specd.verifier")
@@ -89,8 +89,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                 "this verifier runs without a drafter pool (started with an in-process "
                                 "speculative method or --no-speculation)")
         try:
-            await pool.register(request.name, request.address)
-        except VocabularyMismatch as e:
+            pool.check_address(request.address)
+            await pool.register(request.name, request.address, trusted=request.trusted)
+        except PermissionError as e:  # an address not allowed, a trusted drafter without proof
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except (VocabularyMismatch, TrustUnavailable) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KeyError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, e.args[0])

@@ -7,24 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("challenge",)
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    def __init__(self, challenge: _Optional[bytes] = ...) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k")
+    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k", "proof", "max_history_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     method: str
     model: str
     vocab_size: int
     vocab_hash: str
     max_k: int
-    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    max_history_tokens: int
+    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ..., proof: _Optional[bytes] = ..., max_history_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeEntry(_message.Message):
     __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed")

@@ -117,7 +117,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("name", "address", "method", "model", "state", "healthy", "proposals", "draft_tokens", "accepted_tokens", "acceptance_rate", "propose_p50_ms", "propose_p99_ms", "timeouts", "last_error")
+    __slots__ = ("name", "address", "method", "model", "state", "healthy", "proposals", "draft_tokens", "accepted_tokens", "acceptance_rate", "propose_p50_ms", "propose_p99_ms", "timeouts", "last_error", "trusted", "violations")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class DrafterStatus(_message.Message):
     PROPOSE_P99_MS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     method: str
@@ -146,15 +148,19 @@ class DrafterStatus(_message.Message):
     propose_p99_ms: float
     timeouts: int
     last_error: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., proposals: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., propose_p50_ms: _Optional[float] = ..., propose_p99_ms: _Optional[float] = ..., timeouts: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    trusted: bool
+    violations: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., proposals: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., propose_p50_ms: _Optional[float] = ..., propose_p99_ms: _Optional[float] = ..., timeouts: _Optional[int] = ..., last_error: _Optional[str] = ..., trusted: _Optional[bool] = ..., violations: _Optional[int] = ...) -> None: ...
 
 class RegisterDrafterRequest(_message.Message):
-    __slots__ = ("name", "address")
+    __slots__ = ("name", "address", "trusted")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    trusted: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., trusted: _Optional[bool] = ...) -> None: ...
 
 class RegisterDrafterResponse(_message.Message):
     __slots__ = ("drafter",)

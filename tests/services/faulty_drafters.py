@@ -1,7 +1,7 @@
 """Misbehaving drafters, as real gRPC servers on loopback, for the pool's robustness tests.
 
 They speak the real protocol (Info with the target's vocabulary, the bidi Propose stream)
-but answer with garbage, or never answer.
+but answer with garbage, lies or floods, or never answer.
 """
 from __future__ import annotations
 
@@ -11,20 +11,29 @@ from concurrent import futures
 
 import grpc
 
+from specd.auth import drafter_proof
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 GARBAGE_MODES = ("out_of_vocab", "negative", "too_many", "wrong_seq_ids", "bad_q", "q_length", "random_ids")
+# Hostile rather than broken: a q that lies to get its drafts accepted, a proposal of millions of
+# ids, a reply larger than any real one, a flood of replies nobody asked for.
+HOSTILE_MODES = ("lying_q", "huge", "oversized", "flood")
+LIE = 1e-6  # the q a lying drafter claims for its own draft
 
 
 class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, mode: str, vocab_size: int, vocab_hash: str):
-        self.mode, self.vocab_size, self.vocab_hash = mode, vocab_size, vocab_hash
+    def __init__(self, mode: str, vocab_size: int, vocab_hash: str, secret: str | None = None):
+        self.mode, self.vocab_size, self.vocab_hash, self.secret = mode, vocab_size, vocab_hash, secret
         self.batches = 0
         self.stop = threading.Event()
+        self.history: dict[tuple[str, int], list[int]] = {}
 
     def Info(self, request, context):
+        # With the stack's secret it can prove it holds it (and be trusted): the lying drafter
+        # shows what trust without that check would cost.
+        proof = drafter_proof(self.secret, request.challenge) if self.secret and request.challenge else b""
         return drafter_pb2.DrafterInfoResponse(name=self.mode, method="ngram", vocab_size=self.vocab_size,
-                                               vocab_hash=self.vocab_hash, max_k=8)
+                                               vocab_hash=self.vocab_hash, max_k=8, proof=proof)
 
     def Release(self, request, context):
         return drafter_pb2.ReleaseResponse()
@@ -35,7 +44,48 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
             if self.mode == "hang" and batch.entries:
                 self.stop.wait(3600)  # never answers a real batch (answers the empty warm-up)
                 return
-            yield self._answer(batch)
+            if self.mode in HOSTILE_MODES:
+                yield from self._hostile(batch)
+            else:
+                yield self._answer(batch)
+
+    def _hostile(self, batch):
+        out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id)
+        if self.mode == "flood" and batch.entries:
+            for i in range(1000):  # replies to batches never sent
+                yield drafter_pb2.ProposalBatch(batch_id=batch.batch_id + 1000 + i)
+        for i, e in enumerate(batch.entries):
+            if self.mode == "huge" and i == 0:
+                out.proposals.add(seq_id=e.seq_id, token_ids=[3000] * 3_000_000)  # ~6 MB, under the size bound
+            elif self.mode == "oversized" and i == 0:  # ~24 MB, built once so the reply comes fast
+                if not hasattr(self, "_oversized"):
+                    self._oversized = drafter_pb2.Proposal(token_ids=[3000] * 12_000_000)
+                out.proposals.add().CopyFrom(self._oversized)
+                out.proposals[-1].seq_id = e.seq_id
+            elif self.mode == "lying_q":
+                drafts = self._copy(batch.client_id, e)
+                p = out.proposals.add(seq_id=e.seq_id, token_ids=drafts, resync=drafts is None)
+                for x in drafts or []:  # "I drew x with probability 1e-6": accepted whenever p(x) > 1e-6
+                    p.q.add(ids=[x, (x + 1) % self.vocab_size], probs=[LIE, 1.0 - LIE])
+            else:
+                out.proposals.add(seq_id=e.seq_id, token_ids=[5] * e.k)
+        yield out
+
+    def _copy(self, client: str, e) -> list[int] | None:
+        """Drafts that are sometimes right: what followed the last occurrence of the last token."""
+        key = (client, e.seq_id)
+        if e.full_history:
+            self.history[key] = list(e.new_tokens)
+        elif key in self.history:
+            self.history[key].extend(e.new_tokens)
+        else:
+            return None  # resync
+        h = self.history[key]
+        last = h[-1]
+        for j in range(len(h) - 2, -1, -1):
+            if h[j] == last:
+                return (h[j + 1:j + 1 + e.k] + [last] * e.k)[:e.k]
+        return [last] * e.k
 
     def _answer(self, batch):
         out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id)
@@ -55,10 +105,11 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
         return out
 
 
-def start_faulty(mode: str, vocab_size: int, vocab_hash: str):
+def start_faulty(mode: str, vocab_size: int, vocab_hash: str, secret: str | None = None):
     """(server, servicer, address); stop with server.stop(0) after servicer.stop.set()."""
-    servicer = FaultyDrafter(mode, vocab_size, vocab_hash)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    servicer = FaultyDrafter(mode, vocab_size, vocab_hash, secret)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=[("grpc.max_send_message_length", 64 << 20)])
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

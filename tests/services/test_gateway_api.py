@@ -399,7 +399,8 @@ def test_body_over_the_limit_is_413_declared_or_streamed(client):
     assert_error(client.post(COMPLETIONS, content=big, headers={"content-type": "application/json"}), 413,
                  contains="4096")
     # No Content-Length (chunked): the limit is enforced on the bytes as they arrive.
-    assert_error(client.post(COMPLETIONS, content=(big[i:i + 1000] for i in range(0, len(big), 1000))), 413)
+    assert_error(client.post(COMPLETIONS, content=(big[i:i + 1000] for i in range(0, len(big), 1000)),
+                             headers={"content-type": "application/json"}), 413)
     assert client.get("/health").status_code == 200
 
 
@@ -444,7 +445,35 @@ def test_api_key_guards_v1_only(tok, fake):
         ok = c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sk-1"})
         assert ok.status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
-        assert c.get("/admin/drafters").status_code == 200  # no admin key configured
+        # No admin key configured: admin is off (fails closed), whatever the API key.
+        for headers in ({}, {"Authorization": "Bearer sk-1"}):
+            assert_error(c.get("/admin/drafters", headers=headers), 403, contains="--admin-key")
+            assert_error(c.post("/admin/drafters", json={"name": "x", "address": "127.0.0.1:1"}, headers=headers), 403)
+            assert_error(c.delete("/admin/drafters/ngram-1", headers=headers), 403)
+
+
+def test_open_admin_serves_admin_without_a_key(tok, fake):
+    with make_client(tok, fake.address, open_admin=True) as c:
+        assert c.get("/admin/drafters").status_code == 200
+    with pytest.raises(ValueError, match="--open-admin"):
+        GatewayConfig(verifier=fake.address, admin_key="k", open_admin=True)
+
+
+def test_post_bodies_must_be_json(tok, fake):
+    """A cross-site form or text/plain POST (sent by browsers without a preflight) is refused
+    before anything is read or done: no drafter registered, no generation."""
+    auth = {"Authorization": "Bearer adm"}
+    body = json.dumps({"name": "csrf", "address": "127.0.0.1:7002"})
+    with make_client(tok, fake.address, admin_key="adm") as c:
+        n = len(fake.requests)
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+            headers = {**auth, **({"content-type": ctype} if ctype else {})}
+            assert_error(c.post("/admin/drafters", content=body, headers=headers), 415, contains="application/json")
+            assert_error(c.post(COMPLETIONS, content=json.dumps({"prompt": "x"}), headers=headers), 415)
+        assert len(fake.requests) == n
+        ok = c.post(COMPLETIONS, content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                    headers={"content-type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
 
 
 def test_admin_proxy(tok, fake):

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from faulty_drafters import GARBAGE_MODES, start_faulty
+from faulty_drafters import GARBAGE_MODES, HOSTILE_MODES, start_faulty
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.demo_paths import demo_model_dir
@@ -28,6 +28,7 @@ from specd.wire import params_to_proto
 
 MAX_TOKENS = 48
 MODEL = "specd-demo-target"
+TARGET_DIR, DRAFTER_DIR = str(demo_model_dir("target")), str(demo_model_dir("drafter"))
 SNIPPETS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self",
             "for i in range(10):\n    ", "    return self.", "def main():\n    args = ", "if __name__ == ",
             "with open(path) as f:\n    ", "try:\n    import json\nexcept ", "    def __repr__(self):\n        ",
@@ -58,11 +59,12 @@ def reference(prompts):
 @pytest.fixture(scope="module")
 def stack(launcher):
     """Two drafters (draft_model, ngram), a verifier with a metrics port, and the gateway."""
-    dm = launcher.start("drafter-dm", "drafter", ["--method", "draft_model", "--name", "dm"])
+    dm = launcher.start("drafter-dm", "drafter", ["--method", "draft_model", "--name", "dm", "--model", DRAFTER_DIR])
     ng = launcher.start("drafter-ng", "drafter", ["--method", "ngram", "--name", "ng"])
     metrics_port = launcher.free_port()
-    verifier = launcher.start("verifier", "verifier", ["--drafter", f"dm={dm.address}", "--drafter",
-                                                       f"ng={ng.address}", "--metrics-port", str(metrics_port)])
+    verifier = launcher.start("verifier", "verifier", ["--model", TARGET_DIR, "--drafter", f"dm={dm.address}",
+                                                       "--drafter", f"ng={ng.address}", "--metrics-port",
+                                                       str(metrics_port)])
     gateway = launcher.start("gateway", "gateway", ["--verifier", verifier.address], http=True)
     stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
     _wait(lambda: all(d.healthy for d in _drafters(stub).values()) and len(_drafters(stub)) == 2)
@@ -154,7 +156,7 @@ def test_drafter_sigkill_mid_stream_then_restart(stack, prompts, reference):
     assert text == reference[9] and spec["draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("mode", [*GARBAGE_MODES, "hang"])
+@pytest.mark.parametrize("mode", [*GARBAGE_MODES, *HOSTILE_MODES, "hang"])
 def test_misbehaving_drafter_never_corrupts_output(stack, prompts, reference, mode):
     stub = stack["stub"]
     info = stub.Info(pb.InfoRequest())
@@ -169,10 +171,20 @@ def test_misbehaving_drafter_never_corrupts_output(stack, prompts, reference, mo
         if mode == "hang":  # taken out of rotation after missed deadlines (it answers probes, so it flaps)
             assert _drafters(stub)[mode].timeouts >= 2
             assert "deadline" in _drafters(stub)[mode].last_error
-        elif mode in ("random_ids", "too_many"):  # well-formed (too_many is cut at k): verified, rejected
-            assert sum(spec["draft_tokens"] for _, _, spec in results) > 0
-        else:  # malformed drafts are dropped before verification
+        elif mode in ("random_ids", "lying_q", "bad_q", "q_length"):  # ids in range: verified as one-hot
+            assert sum(spec["draft_tokens"] for _, _, spec in results) > 0  # (an untrusted drafter's q is unread)
+        elif mode not in ("huge", "oversized", "flood"):  # malformed drafts are dropped before verification
+            # (huge: only its first proposal is; oversized and flood break the stream, and while the
+            # drafter is out of rotation its requests draft with another one)
             assert sum(spec["draft_tokens"] for _, _, spec in results) == 0
+        status = _drafters(stub)[mode]
+        assert not status.trusted
+        if mode in ("too_many", "wrong_seq_ids", "huge", "flood"):  # out of the protocol's bounds: counted
+            assert status.violations > 0
+        if mode == "flood":  # unsolicited replies break the stream: out of rotation
+            assert "unsolicited" in status.last_error
+        if mode == "oversized":  # over the reply size bound: the stream breaks
+            assert "RESOURCE_EXHAUSTED" in status.last_error or "larger than max" in status.last_error, status
     finally:
         stub.RemoveDrafter(pb.RemoveDrafterRequest(name=mode, drain=False), timeout=10)
         servicer.stop.set()
@@ -181,7 +193,8 @@ def test_misbehaving_drafter_never_corrupts_output(stack, prompts, reference, mo
 
 def test_runtime_swap_under_load(stack, prompts, reference):
     stub, launcher = stack["stub"], stack["launcher"]
-    extra = launcher.start("drafter-dm2", "drafter", ["--method", "draft_model", "--name", "dm2"])
+    extra = launcher.start("drafter-dm2", "drafter", ["--method", "draft_model", "--name", "dm2", "--model",
+                                                      DRAFTER_DIR])
     errors = []
 
     def swap():
