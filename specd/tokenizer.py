@@ -38,6 +38,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes one token stands for (its vocabulary string, which
+        byte-level, metaspace and byte-fallback forms only lengthen, plus a joining space): a text
+        of more than n times this many bytes needs more than n tokens, known without tokenizing."""
+        if not hasattr(self, "_max_token_bytes"):
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1) + 1
+        return self._max_token_bytes
+
     def vocab_hash(self) -> str:
         """sha256 of the token<->id table: equal hashes mean ids mean the same tokens."""
         import hashlib

@@ -7,9 +7,12 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,14 +28,15 @@ from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
 from . import admin
 from .config import GatewayConfig, ModelInfo
-from .errors import APIError
+from .errors import APIError, bad_request, overloaded
 from .generation import Job, Step, generate
 from .metrics import CONTENT_TYPE, GatewayMetrics
-from .prompts import chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
+from .prompts import check_prompt_size, chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
 from .responses import Formatter
 from .schemas import ChatCompletionRequest, CompletionRequest, read_json
 
 HEALTH_TIMEOUT_S = 2.0
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 Handler = Callable[[Request], Awaitable[Response]]
 TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
 _tracer = tracer("specd.gateway")
@@ -50,16 +54,21 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
         self.stub: verifier_pb2_grpc.VerifierStub | None = None  # set by lifespan, on the serving loop
+        self.health_stub: health_pb2_grpc.HealthStub | None = None
+        # Templates and tokenizers run here, off the event loop (a long prompt takes a while).
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # grpc.aio channels belong to the event loop that creates them: create it on the app's own.
         channel = aio_channel(self.config.verifier, self.config.security, VERIFIER)
         self.stub = verifier_pb2_grpc.VerifierStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
         try:
             yield
         finally:
             await channel.close()
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- generation
 
@@ -75,10 +84,7 @@ class Gateway:
         if body.model is not None and body.model != self.model.name:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         body.check_supported()
-        if chat:
-            prompt_ids = chat_prompt_ids(self.tokenizer, [m.to_template() for m in body.messages])
-        else:
-            prompt_ids = completion_prompt_ids(self.tokenizer, body.prompt, self.model.vocab_size)
+        prompt_ids = await self._prompt_ids(body, chat)
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
                                         prompt_param="messages" if chat else "prompt")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -94,7 +100,8 @@ class Gateway:
                            param="stop_token_ids")
         job = Job(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
-                  arrival=arrival)
+                  arrival=arrival, deadline_s=self.config.request_timeout_s,
+                  silence_s=self.config.verifier_timeout_s)
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)
         steps = generate(self.stub, self.tokenizer, job, self.metrics)
         if not body.stream:
@@ -104,6 +111,26 @@ class Gateway:
         first = await cancel_on_disconnect(request, anext(steps))  # on error the generator is already closed
         return SSEResponse(_sse(fmt, first, steps, body.include_usage))
 
+    async def _prompt_ids(self, body, chat: bool) -> list[int]:
+        """Size first (a prompt certainly over the context is refused before any work), then the
+        template and tokenizer on a worker thread: the event loop keeps serving meanwhile."""
+        if chat:
+            messages = [m.to_template() for m in body.messages]
+            texts = [m["content"] for m in messages] + [m.get("name") or "" for m in messages]
+            check_prompt_size(self.tokenizer, texts, self.model.max_model_len, "messages")
+            work = partial(chat_prompt_ids, self.tokenizer, messages)
+        else:
+            prompt = body.prompt
+            if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+                texts = [prompt] if isinstance(prompt, str) else prompt
+                check_prompt_size(self.tokenizer, texts, self.model.max_model_len, "prompt")
+            elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                if sum(len(p) for p in prompt) > 4 * self.model.max_model_len:
+                    raise bad_request(f"This model's maximum context length is {self.model.max_model_len} tokens; "
+                                      "the prompt is far longer", param="prompt")
+            work = partial(completion_prompt_ids, self.tokenizer, prompt, self.model.vocab_size)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
+
     # ---- plain routes
 
     async def models(self, request: Request) -> Response:
@@ -112,10 +139,16 @@ class Gateway:
             "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
+        """200 while the verifier's gRPC health says SERVING for its Verifier service: that turns
+        NOT_SERVING when an engine step stalls, while the process still answers Info."""
         try:
-            await self.stub.Info(verifier_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
+                                                 timeout=HEALTH_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             return APIError(503, f"verifier: {e.code().name}: {e.details()}").response()
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return APIError(503, f"verifier: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} "
+                                 "(starting, stopping, or its engine is stalled)").response()
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -184,6 +217,27 @@ class SSEResponse(StreamingResponse):
             # On disconnect the body generator may be left suspended at a yield; close it
             # now (not at garbage collection) so its Generate call is cancelled at once.
             await self.body_iterator.aclose()
+
+
+class LimitConcurrency:
+    """At most `limit` generation requests in the gateway at once (a streamed one counts until
+    its last byte); the next are answered 429 with Retry-After before their body is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS:
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            response = overloaded(f"the gateway is handling {self.active} requests (the limit is {self.limit}); "
+                                  "retry later").response()
+            return await response(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 class CountRequests:
@@ -287,6 +341,7 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
         Route("/admin/drafters/{name}", guard_admin(drafters.remove), methods=["DELETE"]),
     ]
     return Starlette(routes=routes, lifespan=gw.lifespan,
-                    middleware=[Middleware(CountRequests, metrics=gw.metrics), Middleware(TraceRequests)],
+                    middleware=[Middleware(CountRequests, metrics=gw.metrics), Middleware(TraceRequests),
+                                Middleware(LimitConcurrency, limit=config.max_concurrent_requests)],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                                         ClientDisconnect: _client_gone, Exception: _internal_error})

@@ -21,6 +21,9 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     verifier_wait_s: float = 60.0  # how long startup waits for the verifier to answer Info
     security: Security = field(default_factory=Security)  # the verifier hop: shared secret, TLS CA
+    request_timeout_s: float = 600.0  # deadline of one generation (504 past it)
+    verifier_timeout_s: float = 60.0  # longest silence of the verifier within a generation (503 past it)
+    max_concurrent_requests: int = 1024  # generations in the gateway at once; more get 429
 
     def __post_init__(self) -> None:
         if not self.verifier or ":" not in self.verifier:
@@ -31,6 +34,11 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.open_admin and self.admin_key:
             raise ValueError("--open-admin serves /admin/* without a key; it cannot be combined with --admin-key")
+        for name in ("request_timeout_s", "verifier_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
         if self.verifier_wait_s <= 0:
             raise ValueError(f"--verifier-wait must be > 0 seconds, got {self.verifier_wait_s}")
 

@@ -10,19 +10,26 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    """429 with Retry-After, as OpenAI's rate limits answer."""
+    return APIError(429, message, code="overloaded", headers={"Retry-After": str(max(1, retry_after_s))})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -46,4 +53,7 @@ def from_grpc(err) -> APIError:
     name = err.code().name
     status = _GRPC_TO_HTTP.get(name, 500)
     details = err.details() or name
+    if status == 429:
+        retry = next((v for k, v in (err.trailing_metadata() or ()) if k == "retry-after"), "1")
+        return overloaded(details, int(retry) if str(retry).isdigit() else 1)
     return APIError(status, details if status < 500 else f"verifier: {name}: {details}")

@@ -1,6 +1,7 @@
 """One Verifier.Generate call turned into detokenized, stop-checked steps."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -43,6 +44,8 @@ class Job:
     drafter: str
     stop: list[str]
     arrival: float  # time.perf_counter() when the HTTP request arrived (latency metrics)
+    deadline_s: float | None = None  # the whole Generate call (gRPC deadline: 504 past it)
+    silence_s: float | None = None  # longest wait for the verifier's next chunk (503 past it: stalled)
 
 
 async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics) -> AsyncIterator[Step]:
@@ -56,11 +59,19 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
     span = trace.get_current_span()  # the gateway's request span: its context travels in the metadata
     call = stub.Generate(verifier_pb2.GenerateRequest(
         request_id=job.request_id, prompt_token_ids=job.prompt_ids,
-        params=params_to_proto(job.params, drafter=job.drafter)), metadata=inject_metadata())
+        params=params_to_proto(job.params, drafter=job.drafter)), metadata=inject_metadata(),
+        timeout=job.deadline_s)
     timer = metrics.track(job.arrival)
     completed = False
     try:
-        async for chunk in call:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(call.read(), job.silence_s)
+            except asyncio.TimeoutError:
+                raise APIError(503, f"verifier: no reply for {job.silence_s:g} s (stalled or overloaded); "
+                                    "retry later", code="verifier_stalled") from None
+            if chunk is grpc.aio.EOF:
+                break
             if chunk.token_ids:
                 timer.tokens()
             offsets, text = [], ""

@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted (413 above)")
     parser.add_argument("--verifier-wait", type=float, default=60.0,
                         help="seconds to wait at startup for the verifier to answer")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="deadline of one generation in seconds (504 past it)")
+    parser.add_argument("--verifier-timeout", type=float, default=60.0,
+                        help="longest the verifier may stay silent within a generation (503 past it: stalled)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="generations handled at once; more are answered 429 with Retry-After")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     auth.add_arguments(parser, server=False, client=True)  # the verifier hop: shared secret, --tls-ca
     parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
@@ -48,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     config = GatewayConfig(verifier=args.verifier, host=args.host, port=args.port, api_key=args.api_key,
                            admin_key=args.admin_key, open_admin=args.open_admin, tokenizer=args.tokenizer,
                            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                           verifier_wait_s=args.verifier_wait, security=auth.from_args(args))
+                           verifier_wait_s=args.verifier_wait, security=auth.from_args(args),
+                           request_timeout_s=args.request_timeout, verifier_timeout_s=args.verifier_timeout,
+                           max_concurrent_requests=args.max_concurrent_requests)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.

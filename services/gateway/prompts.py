@@ -31,6 +31,20 @@ def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list, vocab_size: 
     return list(prompt)
 
 
+# Normalizers (NFKC, stripping) may shorten a text before it is tokenized: leave them room.
+NORMALIZER_SLACK = 4
+
+
+def check_prompt_size(tokenizer: Tokenizer, texts: list[str], max_model_len: int, param: str) -> None:
+    """400 for text that certainly has more than max_model_len tokens, known from its size alone:
+    checked before tokenizing, so a 4 MB prompt costs microseconds, not seconds of tokenizer."""
+    limit = max_model_len * tokenizer.max_token_bytes() * NORMALIZER_SLACK
+    size = sum(len(t) for t in texts)  # characters: at most the bytes; bytes only when close
+    if size > limit // 4 and sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) > limit:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens; the {param} is far "
+                          f"longer ({size} characters); shorten it", param=param)
+
+
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, prompt_param: str) -> int:
     """Default: the rest of the context (as vLLM). Values < 1 are left to SamplingParams' check."""
     if prompt_len >= max_model_len:

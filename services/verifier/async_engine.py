@@ -42,6 +42,28 @@ class EngineFailure(RuntimeError):
     pass
 
 
+class Overloaded(RuntimeError):
+    """The queue of requests not yet started is full: the caller should retry later (429)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Bounds on requests admitted but not started (no token yet): beyond them a request is
+    refused at once instead of waiting minutes for its first token."""
+
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 1 << 18  # prompt tokens of those requests
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -57,9 +79,14 @@ class _Request:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, pool=None, metrics=None):
+    def __init__(self, engine: LLMEngine, pool=None, metrics=None, admission: Admission | None = None):
         self.engine, self.pool, self.metrics = engine, pool, metrics
+        self.admission = admission or Admission()
         self.requests: dict[str, _Request] = {}
+        self._queued: dict[str, int] = {}  # request id -> prompt tokens, until its first token
+        self._queued_tokens = 0
+        self.step_started: float | None = None  # monotonic time the running step began
+        self.last_step_s = 0.0
         self._to_add: list[_Request] = []
         self._to_abort: list[str] = []
         self._wake = asyncio.Event()
@@ -86,11 +113,40 @@ class AsyncEngine:
                 raise ValueError("this verifier has no drafter pool (it runs without speculation "
                                  "or with an in-process proposer)")
             self.pool.check_choice(drafter)
+        self._admit(len(prompt_token_ids))
         req = _Request(request_id, list(prompt_token_ids), params, drafter, span_context=span_context)
         self.requests[request_id] = req
+        self._queued[request_id] = len(prompt_token_ids)
+        self._queued_tokens += len(prompt_token_ids)
         self._to_add.append(req)
         self._wake.set()
         return req
+
+    def _admit(self, num_tokens: int) -> None:
+        adm = self.admission
+        if len(self._queued) >= adm.max_queued_requests:
+            why = f"{len(self._queued)} requests are waiting to start (the limit is {adm.max_queued_requests})"
+        elif self._queued and self._queued_tokens + num_tokens > adm.max_queued_tokens:
+            why = (f"{self._queued_tokens} prompt tokens are waiting to start and this request adds {num_tokens} "
+                   f"(the limit is {adm.max_queued_tokens})")
+        else:
+            return
+        if self.metrics is not None:
+            self.metrics.rejected.inc()
+        # A rough hint: one step's time per queued request that the batch cannot take at once.
+        behind = max(1, len(self._queued) - self.engine.config.max_num_seqs + len(self.engine.scheduler.running))
+        raise Overloaded(f"the server is overloaded: {why}; retry later",
+                         retry_after_s=min(60.0, max(1.0, behind * self.last_step_s)))
+
+    def _started(self, request_id: str) -> None:
+        tokens = self._queued.pop(request_id, None)
+        if tokens is not None:
+            self._queued_tokens -= tokens
+
+    def stalled_for(self) -> float:
+        """Seconds the running step has taken so far (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     async def stream(self, req: _Request):
         """Deltas of one request until it finishes; leaving early (cancelled) aborts it."""
@@ -112,6 +168,7 @@ class AsyncEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
+        self._started(request_id)  # it no longer waits, whatever happens next
         self._to_abort.append(request_id)
         self._wake.set()
         return True
@@ -145,6 +202,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         with self._step_span() as span:
             before = self._step_counts() if span.is_recording() else None
+            self.step_started = time.monotonic()
             try:
                 # The worker runs the step in a copy of this context, so the drafter pool's
                 # propose (called from the step) sees the step span as its parent.
@@ -154,6 +212,9 @@ class AsyncEngine:
                 span.set_status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}")
                 self._fail_all(e)
                 return
+            finally:
+                self.last_step_s = time.monotonic() - self.step_started
+                self.step_started = None
             if before is not None:
                 after = self._step_counts()
                 span.set_attributes({"specd.batch_size": len(self.engine.scheduler.running) + len(finished),
@@ -193,6 +254,7 @@ class AsyncEngine:
                 seq_id = self.engine.add_request(req.prompt_token_ids, req.params)
             except ValueError as e:
                 self.requests.pop(req.request_id, None)
+                self._started(req.request_id)
                 req.queue.put_nowait(e)
                 continue
             req.seq = self.engine.sequences[seq_id]
@@ -203,6 +265,7 @@ class AsyncEngine:
             req = self.requests.get(request_id)
             if req is None or req.seq is None:
                 self.requests.pop(request_id, None)
+                self._started(request_id)
                 continue
             self.engine.abort(req.seq.seq_id)
             self._emit_one(req)
@@ -218,6 +281,8 @@ class AsyncEngine:
         if not new and not seq.is_finished:
             return
         now = time.monotonic()
+        if new or seq.is_finished:
+            self._started(req.request_id)
         if self.metrics is not None and new:
             self.metrics.generation_tokens.inc(len(new))
             if req.sent == 0:
@@ -246,6 +311,8 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.requests.labels("error").inc()
         self.requests.clear()
+        self._queued.clear()
+        self._queued_tokens = 0
 
     def _export_gauges(self) -> None:
         if self.metrics is None:

@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true", help="plain decoding; no drafter pool")
     p.add_argument("--propose-timeout-ms", type=float, default=250.0,
                    help="deadline of one propose round trip; a late drafter costs that step its drafts")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests admitted but not started yet; more are refused (RESOURCE_EXHAUSTED: HTTP 429)")
+    p.add_argument("--max-queued-tokens", type=int, default=1 << 18,
+                   help="prompt tokens of those requests; more are refused the same way")
+    p.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds one engine step may run before gRPC health reports NOT_SERVING")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -83,6 +89,11 @@ def run(args) -> int:
     if spec is not None and spec.method is not None and startup:
         raise ValueError("--drafter and an in-process speculative method are exclusive; drop 'method' "
                          "from --speculative-config to use drafter services")
+    from specd.verifier.async_engine import Admission
+
+    Admission(args.max_queued_requests, args.max_queued_tokens)  # bad bounds fail before the model loads
+    if args.stall_timeout <= 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
     metrics = VerifierMetrics()
     # Before the model loads: a busy metrics port fails at once, not after the load.
     start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, "verifier")
@@ -110,7 +121,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.grpc_server import serve
     from specd.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
-    from specd.verifier.async_engine import AsyncEngine
+    from specd.verifier.async_engine import Admission, AsyncEngine
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer
     from specd.verifier.server import VerifierService
 
@@ -130,7 +141,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         model=config.model, model_name=Path(config.model.rstrip("/")).name, max_model_len=engine.max_model_len,
         vocab_size=engine.arch.vocab_size, vocab_hash=vocab_hash_of(engine.model_dir),
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None)
-    async_engine = AsyncEngine(engine, pool, metrics)
+    async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens))
 
     def add(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierService(async_engine, info), server)
@@ -151,6 +162,29 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    async def watch_health(servicer, services: list[str]) -> None:
+        """Health says NOT_SERVING while one step runs longer than --stall-timeout (a stuck
+        engine answers Info, but serves nobody)."""
+        from grpc_health.v1 import health_pb2
+
+        serving = True
+        while True:
+            await asyncio.sleep(min(0.5, args.stall_timeout / 4))
+            stalled = async_engine.stalled_for() > args.stall_timeout
+            if stalled == serving:
+                serving = not stalled
+                if stalled:
+                    log.error("engine step running for over %.1f s: health NOT_SERVING", args.stall_timeout)
+                else:
+                    log.warning("engine steps again: health SERVING")
+                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else \
+                    health_pb2.HealthCheckResponse.SERVING
+                for service in services:
+                    await servicer.set(service, status)
+
+    def on_health(servicer, services) -> None:
+        background.append(asyncio.create_task(watch_health(servicer, services)))
+
     async def ready():
         async_engine.start()
         for rank, (name, address, trusted) in enumerate(startup):  # the first named is the default drafter
@@ -160,7 +194,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
 
     try:
         await serve(add, args.host, args.port, on_ready=ready, name=f"verifier ({info.model_name})",
-                    security=security, audience=VERIFIER)
+                    security=security, audience=VERIFIER, on_health=on_health)
     finally:
         for task in background:
             task.cancel()

@@ -28,6 +28,8 @@ class VerifierMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.running = Gauge("specd_verifier_num_requests_running", "Sequences scheduled (running)", registry=r)
         self.waiting = Gauge("specd_verifier_num_requests_waiting", "Queue depth: sequences waiting", registry=r)
+        self.rejected = Counter("specd_verifier_requests_rejected", "Requests refused because the queue was full",
+                                registry=r)
         self.kv_used = Gauge("specd_verifier_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("specd_verifier_kv_blocks_free", "KV cache blocks free", registry=r)
         self.batch_size = Histogram("specd_verifier_batch_size", "Sequences per engine step",

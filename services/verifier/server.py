@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from specd.telemetry import extract_metadata, tracer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
-from specd.verifier.async_engine import AsyncEngine, EngineFailure
+from specd.verifier.async_engine import AsyncEngine, EngineFailure, Overloaded
 from specd.verifier.drafter_client import TrustUnavailable, VocabularyMismatch
 from specd.wire import params_from_proto
 
@@ -45,6 +45,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                      span_context=span.get_span_context() if span.is_recording() else None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                trailing_metadata=(("retry-after", str(max(1, round(e.retry_after_s)))),))
         if span.is_recording():
             span.set_attributes({"specd.request_id": req.request_id,
                                  "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})

@@ -16,6 +16,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.testclient import TestClient
 
 from specd.demo_paths import demo_model_dir
@@ -55,6 +56,11 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         p, control = request.params, request.params.drafter
         if control.startswith("error:"):
             context.abort(getattr(grpc.StatusCode, control[6:]), f"fake verifier says {control[6:]}")
+        if control == "stall":  # says nothing for 30 s (a stuck verifier) unless the call ends
+            deadline = time.monotonic() + 30
+            while context.is_active() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return
         if control == "slow":  # trickles tokens for 20 s unless the client goes away
             context.add_callback(lambda: self.cancelled.append(request.request_id))
             for i in range(400):
@@ -115,6 +121,9 @@ def fake(tok):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     servicer = FakeVerifier(tok)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    servicer.health = health.HealthServicer()  # the gateway's /health asks it about the Verifier service
+    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    servicer.health.set("specd.v1.Verifier", health_pb2.HealthCheckResponse.SERVING)
     servicer.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     yield servicer
@@ -413,6 +422,70 @@ def test_body_over_the_limit_is_413_declared_or_streamed(client):
 def test_verifier_status_maps_to_http(client, code, status, stream):
     r = client.post(COMPLETIONS, json={"prompt": "x", "stream": stream, "speculative": {"drafter": f"error:{code}"}})
     assert_error(r, status, contains=f"fake verifier says {code}")
+
+
+def test_queue_full_is_429_with_retry_after(client):
+    for stream in (False, True):
+        r = client.post(COMPLETIONS, json={"prompt": "x", "stream": stream,
+                                           "speculative": {"drafter": "error:RESOURCE_EXHAUSTED"}})
+        err = assert_error(r, 429, contains="fake verifier says")
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_silent_verifier_is_503_within_the_timeout(tok, fake, stream):
+    with make_client(tok, fake.address, verifier_timeout_s=1.0) as c:
+        t0 = time.monotonic()
+        r = c.post(COMPLETIONS, json={"prompt": "x", "stream": stream, "speculative": {"drafter": "stall"}})
+        assert time.monotonic() - t0 < 5
+        assert_error(r, 503, contains="no reply for 1 s")
+
+
+def test_request_deadline_is_504(tok, fake):
+    with make_client(tok, fake.address, request_timeout_s=1.0) as c:
+        t0 = time.monotonic()
+        r = c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 50, "speculative": {"drafter": "slow"}})
+        assert time.monotonic() - t0 < 5
+        assert_error(r, 504, contains="DEADLINE_EXCEEDED")
+
+
+def test_health_follows_the_verifiers_health_service(client, fake):
+    fake.health.set("specd.v1.Verifier", health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        assert_error(client.get("/health"), 503, contains="NOT_SERVING")
+    finally:
+        fake.health.set("specd.v1.Verifier", health_pb2.HealthCheckResponse.SERVING)
+    assert client.get("/health").status_code == 200
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(tok, fake):
+    with make_client(tok, fake.address) as c:  # the default 4 MB body limit
+        n = len(fake.requests)
+        t0 = time.perf_counter()
+        for body, endpoint in (({"prompt": "def f(x): return x\n" * 150_000}, COMPLETIONS),
+                               ({"messages": [{"role": "user", "content": "word " * 600_000}]}, CHAT)):
+            assert_error(c.post(endpoint, json=body), 400, contains="maximum context length")
+        # Tokenizing 3 MB takes seconds; refusing it by its size takes nothing like that.
+        assert time.perf_counter() - t0 < 1.5 and len(fake.requests) == n
+
+
+def test_too_many_concurrent_requests_get_429(tok, fake, launcher):
+    proc = launcher.start("gateway-limit", "gateway", ["--verifier", fake.address, "--max-concurrent-requests", "2",
+                                                       "--log-level", "warning"], http=True)
+    import httpx
+
+    base = f"http://{proc.address}"
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "speculative": {"drafter": "slow"}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as a, \
+            httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as b:
+        assert a.status_code == b.status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200  # only generations count
+    assert wait_until(lambda: httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                         timeout=30).status_code == 200)
+    launcher.stop(proc)
 
 
 def test_error_after_the_stream_started_is_an_sse_event(client):
