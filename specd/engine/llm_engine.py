@@ -69,6 +69,7 @@ class LLMEngine:
         self.timings = StepTimings()
 
     def _make_speculator(self, spec: SpeculativeConfig, proposer):
+        from specd.drafter.proposers.draft_model import draft_seed
         from specd.drafter.proposers.factory import make_proposer
         from specd.engine.speculator import Speculator
 
@@ -76,7 +77,10 @@ class LLMEngine:
             if spec.method is None:
                 raise ValueError("speculative config needs 'method' (ngram, suffix or draft_model) "
                                  "when no drafter service provides proposals")
-            proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device)
+            # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts
+            # correlated with the acceptance uniforms); derived from it, runs stay reproducible.
+            proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device,
+                                     seed=draft_seed(self.config.seed, -1))
         return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len, self.block_manager,
                           self.device, self.sampler.default_generator)
 

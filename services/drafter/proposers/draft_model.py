@@ -13,6 +13,9 @@ sparse q ships with them so the verifier can accept exactly.
 """
 from __future__ import annotations
 
+import hashlib
+import secrets
+
 import torch
 
 from specd.drafter.proposers.base import Proposal, ProposeRequest
@@ -26,14 +29,23 @@ from specd.sampling import SamplingParams
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def _draft_seed(seed: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+def draft_seed(seed: int, position: int) -> int:
+    """The seed of the draft at `position` of a request seeded with `seed`.
+
+    Keyed by position, not a stream per request: a resync rebuilds the drafter's state, and a
+    stream restarted from the request seed would replay randomness that already drew drafts the
+    verifier saw. A position is drafted again only when its earlier draft was never verified
+    (an earlier draft was rejected), so its randomness shaped nothing committed. Hashed, so it
+    is never the verifier's own stream for that seed (drafts correlated with the acceptance
+    uniforms would break exactness)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"specd-draft").digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class DraftModelProposer:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 sample_method: str = "greedy", top_k: int = 16, seed: int = 0):
+                 sample_method: str = "greedy", top_k: int = 16, seed: int | None = None):
         model_dir = resolve_model_dir(model)
         self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
@@ -46,7 +58,10 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
         self.sample_method, self.top_k = sample_method, top_k
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Unseeded requests draw from this stream: random per process unless a seed is given (the
+        # offline engine passes one derived from its own, never equal to it).
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, Sequence] = {}
 
     @property
@@ -105,9 +120,10 @@ class DraftModelProposer:
     def _sample_sparse(self, seq: Sequence, logits: torch.Tensor, req: ProposeRequest):
         top = (logits.float() / req.temperature).topk(min(self.top_k, logits.shape[-1]))
         probs = top.values.softmax(-1)
-        # A seeded request drafts from its own generator, so its drafts (and therefore
-        # its final tokens) do not depend on the other sequences in the batch.
-        gen = seq.generator or self.generator
+        # A seeded request draws from (seed, position), so its drafts (and therefore its final
+        # tokens) depend neither on the other sequences in the batch nor on resyncs.
+        gen = self.generator if req.seed is None else \
+            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, len(seq)))
         choice = int(torch.multinomial(probs, 1, generator=gen))
         return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
 
@@ -118,10 +134,6 @@ class DraftModelProposer:
             if seq is not None:
                 self.blocks.free(seq)
             seq = Sequence(req.new_tokens, _GREEDY, seq_id=req.seq_id)
-            if req.seed is not None:
-                # A stream of its own: drafts drawn from the verifier's stream (same seed)
-                # would be correlated with the acceptance uniforms, which breaks exactness.
-                seq.generator = torch.Generator(device=self.device).manual_seed(_draft_seed(req.seed))
             self.seqs[req.seq_id] = seq
         elif seq is None or len(seq) + len(req.new_tokens) != req.num_tokens:
             self.release([req.seq_id])

@@ -6,16 +6,18 @@ import torch
 from specd.config import SpeculativeConfig
 
 
-def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device: torch.device | str = "cpu"):
+def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device: torch.device | str = "cpu",
+                  seed: int | None = None):
     """target_vocab_size None: no target to check against (the drafter service; the verifier
-    checks vocabularies at registration)."""
+    checks vocabularies at registration). seed: of the stream unseeded sampled drafts draw from
+    (None: random)."""
     from specd.drafter.proposers.base import PROPOSERS
 
     if spec.method == "draft_model":
         from specd.drafter.proposers.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(spec.model, dtype=spec.draft_dtype, device=device,
-                                      sample_method=spec.draft_sample_method, top_k=spec.draft_top_k)
+                                      sample_method=spec.draft_sample_method, top_k=spec.draft_top_k, seed=seed)
         if target_vocab_size is not None and proposer.vocab_size != target_vocab_size:
             raise ValueError(f"draft model vocabulary ({proposer.vocab_size}) does not match the target's "
                              f"({target_vocab_size}); a drafter must share the target's tokenizer")
