@@ -77,6 +77,9 @@ class LLM:
 
     def _output(self, index: int, seq) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+        checker = seq.stop_checker
+        if checker is not None and checker.match is not None:
+            text = checker.text[:checker.match]  # as OpenAI: the stop string is not returned
         return RequestOutput(
             index=index,
             prompt_token_ids=seq.prompt_token_ids,

@@ -18,6 +18,8 @@ MAX_SPECULATIVE_TOKENS = 32
 # client error here, not an overflow where the gRPC message is built.
 MAX_TOP_K = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 32) - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass
@@ -29,6 +31,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Text that ends generation at the token completing it (that token counts, none after it);
+    # the text returned stops before it.
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     # None/False: no logprobs; True or 0: the logprob of each chosen token; an int n > 0: also
     # the n most likely tokens at each position with theirs (vLLM's `logprobs=n`).
@@ -62,6 +67,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids (integers in [0, {MAX_TOKEN_ID}]), "
                              f"got {str(self.stop_token_ids)[:100]}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {str(self.stop)[:100]}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                             "characters each")
+        self.stop = [s for s in self.stop if s]
         if self.logprobs is not None and not isinstance(self.logprobs, bool):
             self._check_number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -8,7 +8,7 @@ from specd.v1 import verifier_pb2
 def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.SamplingParams:
     msg = verifier_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logprobs=p.want_logprobs,
+        stop_token_ids=p.stop_token_ids, stop=p.stop, ignore_eos=p.ignore_eos, logprobs=p.want_logprobs,
         top_logprobs=p.num_top_logprobs, drafter=drafter)
     if p.seed is not None:
         msg.seed = p.seed
@@ -27,6 +27,7 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
         min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=list(msg.stop_token_ids),
+        stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, logprobs=(msg.top_logprobs or True) if msg.logprobs else None,
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None)
 

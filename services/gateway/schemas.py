@@ -121,7 +121,8 @@ class _GenerationBody(_Body):
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-                seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=bool(self.ignore_eos),
+                seed=self.seed, stop_token_ids=self.stop_token_ids or [], stop=self.stop_strings,
+                ignore_eos=bool(self.ignore_eos),
                 logprobs=self._logprobs(),
                 num_speculative_tokens=spec.num_speculative_tokens if spec else None)
         except ValueError as e:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.config import EngineConfig, SpeculativeConfig
+from specd.detokenizer import StopChecker
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.logprobs import StepLogprobs
@@ -16,6 +17,7 @@ from specd.engine.sampler import Sampler, make_generator
 from specd.engine.scheduler import ScheduledSeq, Scheduler
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
+from specd.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +125,19 @@ class LLMEngine:
             raise ValueError(f"request id {seq.seq_id} is already in use")
         if params.seed is not None:
             seq.generator = make_generator(params.seed, self.device)
+        if params.stop:
+            seq.stop_checker = StopChecker(self._stop_tokenizer(), prompt_token_ids, params.stop)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _stop_tokenizer(self) -> Tokenizer:
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        if self._tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer and {self.model_dir} has no tokenizer.json; "
+                             "use stop_token_ids")
+        return self._tokenizer
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError for a prompt this engine cannot run (reads constants only: thread-safe)."""
@@ -223,6 +235,8 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.stop_checker is not None and seq.stop_checker.add(token):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"

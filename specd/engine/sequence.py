@@ -32,6 +32,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.generator: Any = None  # per-request seeded RNG, owned by the sampler side
+        self.stop_checker: Any = None  # specd.detokenizer.StopChecker when params.stop is set
         self.spec_stats = SpecStats()
         self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
 

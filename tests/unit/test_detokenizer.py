@@ -10,7 +10,7 @@ import random
 import pytest
 
 from specd.demo_paths import demo_model_dir
-from specd.gateway.detokenizer import IncrementalDetokenizer, StopStrings
+from specd.detokenizer import IncrementalDetokenizer, StopStrings
 from specd.tokenizer import Tokenizer
 
 TEXTS = ["héllo 世界 🎉", "def f(x):\n    return x  # ünïcödé ✓\n", "🎉🎉🎉 emoji-only 👩‍👩‍👧", "plain ascii"]

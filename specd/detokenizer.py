@@ -1,7 +1,10 @@
-"""Incremental, UTF-8 safe detokenization and stop strings with hold-back.
+"""Incremental, UTF-8 safe detokenization and stop strings.
 
-The same two classes serve streamed and non-streamed responses, so the streamed
-deltas always join to exactly the non-streamed text.
+The gateway streams text with IncrementalDetokenizer and cuts it with StopStrings (the same
+two classes serve streamed and non-streamed responses, so the streamed deltas always join
+to exactly the non-streamed text). The engine finds the token that completes a stop string
+with StopChecker, over the same detokenizer, so generation ends there and usage counts no
+token past it.
 """
 from __future__ import annotations
 
@@ -75,3 +78,29 @@ class StopStrings:
         out = self._text[self._emitted:end]
         self._emitted = end
         return out, stopped
+
+
+class StopChecker:
+    """Engine side: which token completes a stop string (fed every committed token once)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: list[str]):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.match: int | None = None  # where the first stop string starts in the text, once found
+
+    @property
+    def text(self) -> str:
+        return self._detok.text
+
+    def add(self, token_id: int) -> bool:
+        """True when this token completes a stop string."""
+        before = len(self._detok.text)
+        if not self._detok.add(token_id):
+            return False
+        # A match starting earlier than this would have been complete, and found, before.
+        start = max(0, before - self._hold)
+        found = [i for i in (self._detok.text.find(s, start) for s in self._stops) if i >= 0]
+        if found:
+            self.match = min(found)
+        return bool(found)
