@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specd.auth import VERIFIER, aio_channel
+from specd.grpc_server import CHANNEL_OPTIONS
 from specd.telemetry import tracer
 from specd.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
@@ -61,7 +62,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # grpc.aio channels belong to the event loop that creates them: create it on the app's own.
-        channel = aio_channel(self.config.verifier, self.config.security, VERIFIER)
+        # CHANNEL_OPTIONS: reconnect within 2 s of a verifier restart (gRPC's default backoff grows
+        # to 2 min), so a retried request finds it soon.
+        channel = aio_channel(self.config.verifier, self.config.security, VERIFIER, options=CHANNEL_OPTIONS)
         self.stub = verifier_pb2_grpc.VerifierStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -101,7 +104,7 @@ class Gateway:
         job = Job(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival, deadline_s=self.config.request_timeout_s,
-                  silence_s=self.config.verifier_timeout_s)
+                  silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s)
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)
         steps = generate(self.stub, self.tokenizer, job, self.metrics)
         if not body.stream:

@@ -24,6 +24,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # deadline of one generation (504 past it)
     verifier_timeout_s: float = 60.0  # longest silence of the verifier within a generation (503 past it)
     max_concurrent_requests: int = 1024  # generations in the gateway at once; more get 429
+    verifier_retry_s: float = 15.0  # a request the verifier was lost under before its first token waits this
+                                    # long for it to be back (then tried again), else 503
 
     def __post_init__(self) -> None:
         if not self.verifier or ":" not in self.verifier:
@@ -34,7 +36,7 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.open_admin and self.admin_key:
             raise ValueError("--open-admin serves /admin/* without a key; it cannot be combined with --admin-key")
-        for name in ("request_timeout_s", "verifier_timeout_s"):
+        for name in ("request_timeout_s", "verifier_timeout_s", "verifier_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_concurrent_requests < 1:

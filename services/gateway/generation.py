@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -19,6 +21,8 @@ from .errors import APIError, from_grpc
 from .metrics import GatewayMetrics
 
 ABORT_TIMEOUT_S = 5.0
+RETRIES = 2  # more attempts for a request the verifier was lost under before its first token
+log = logging.getLogger("specd.gateway")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Job:
     arrival: float  # time.perf_counter() when the HTTP request arrived (latency metrics)
     deadline_s: float | None = None  # the whole Generate call (gRPC deadline: 504 past it)
     silence_s: float | None = None  # longest wait for the verifier's next chunk (503 past it: stalled)
+    retry_s: float = 15.0  # how long a retry waits for a lost verifier to be back (503 past it)
 
 
 async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics) -> AsyncIterator[Step]:
@@ -57,54 +62,104 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
     detok = IncrementalDetokenizer(tokenizer, job.prompt_ids)
     stops = StopStrings(job.stop)
     span = trace.get_current_span()  # the gateway's request span: its context travels in the metadata
-    call = stub.Generate(verifier_pb2.GenerateRequest(
-        request_id=job.request_id, prompt_token_ids=job.prompt_ids,
-        params=params_to_proto(job.params, drafter=job.drafter)), metadata=inject_metadata(),
-        timeout=job.deadline_s)
     timer = metrics.track(job.arrival)
     completed = False
     try:
-        while True:
-            try:
-                chunk = await asyncio.wait_for(call.read(), job.silence_s)
-            except asyncio.TimeoutError:
-                raise APIError(503, f"verifier: no reply for {job.silence_s:g} s (stalled or overloaded); "
-                                    "retry later", code="verifier_stalled") from None
-            if chunk is grpc.aio.EOF:
-                break
-            if chunk.token_ids:
-                timer.tokens()
-            offsets, text = [], ""
-            for token_id in chunk.token_ids:
-                offsets.append(len(detok.text))
-                text += detok.add(token_id)
-            finish = chunk.finish_reason or None
-            if finish:
-                text += detok.flush()
-            text, stopped = stops.feed(text, final=finish is not None)
-            if stopped:
-                if not finish:
-                    await _abort(stub, job.request_id)
-                finish = "stop"
-            completed = finish is not None
-            if completed and span.is_recording():
-                span.set_attributes({"gen_ai.usage.output_tokens": chunk.completion_tokens,
-                                     "gen_ai.response.finish_reasons": [finish]})
-            yield Step(text=text, token_ids=list(chunk.token_ids),
-                       logprobs=list(chunk.logprobs) if job.params.want_logprobs else None,
-                       top_logprobs=[list(zip(t.token_ids, t.logprobs)) for t in chunk.top_logprobs]
-                       if job.params.num_top_logprobs else None,
-                       text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
-                       completion_tokens=chunk.completion_tokens,
-                       spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None)
-            if completed:
-                return
+        async with contextlib.aclosing(_chunks(stub, job)) as chunks:
+            async for chunk in chunks:
+                if chunk.token_ids:
+                    timer.tokens()
+                offsets, text = [], ""
+                for token_id in chunk.token_ids:
+                    offsets.append(len(detok.text))
+                    text += detok.add(token_id)
+                finish = chunk.finish_reason or None
+                if finish:
+                    text += detok.flush()
+                text, stopped = stops.feed(text, final=finish is not None)
+                if stopped:
+                    if not finish:  # (a verifier applies stop strings itself; this is for one that did not)
+                        await _abort(stub, chunks.request_id)
+                    finish = "stop"
+                completed = finish is not None
+                if completed and span.is_recording():
+                    span.set_attributes({"gen_ai.usage.output_tokens": chunk.completion_tokens,
+                                         "gen_ai.response.finish_reasons": [finish]})
+                yield Step(text=text, token_ids=list(chunk.token_ids),
+                           logprobs=list(chunk.logprobs) if job.params.want_logprobs else None,
+                           top_logprobs=[list(zip(t.token_ids, t.logprobs)) for t in chunk.top_logprobs]
+                           if job.params.num_top_logprobs else None,
+                           text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
+                           completion_tokens=chunk.completion_tokens,
+                           spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None)
+                if completed:
+                    return
         raise APIError(502, "the verifier ended the stream without a finish reason")
     except grpc.aio.AioRpcError as e:
         raise from_grpc(e) from None
     finally:
-        call.cancel()  # synchronous: this may run inside a cancelled scope, where awaiting is not possible
         timer.finish(completed)
+
+
+class _chunks:
+    """The Generate call's chunks, within the job's deadline and silence bound. A call that fails
+    UNAVAILABLE (the verifier lost: down, restarting, connection broken) before its first chunk is
+    made again, waiting for the verifier to be back: the client has seen nothing, so nothing is
+    repeated. Once a chunk arrived, a failure is the client's to see."""
+
+    def __init__(self, stub, job: Job):
+        self.stub, self.job = stub, job
+        self.request_id = job.request_id
+        self._call = None
+        self._gen = self._run()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+        if self._call is not None:
+            self._call.cancel()
+
+    async def _run(self):
+        job, loop = self.job, asyncio.get_running_loop()
+        deadline = loop.time() + job.deadline_s if job.deadline_s else None
+        request = verifier_pb2.GenerateRequest(prompt_token_ids=job.prompt_ids,
+                                               params=params_to_proto(job.params, drafter=job.drafter))
+        for attempt in range(RETRIES + 1):
+            # A fresh id per attempt: the verifier may not have noticed the last one's end yet.
+            self.request_id = job.request_id if attempt == 0 else f"{job.request_id}-retry{attempt}"
+            request.request_id = self.request_id
+            remaining = None if deadline is None else max(0.001, deadline - loop.time())
+            call = self._call = self.stub.Generate(request, metadata=inject_metadata(), timeout=remaining,
+                                                   wait_for_ready=attempt > 0)
+            received = False
+            try:
+                while True:
+                    wait = job.silence_s if received or attempt == 0 else min(job.silence_s or job.retry_s,
+                                                                               job.retry_s)
+                    try:
+                        chunk = await asyncio.wait_for(call.read(), wait)
+                    except asyncio.TimeoutError:
+                        if attempt and not received:
+                            raise APIError(503, f"verifier: UNAVAILABLE: lost, and not back within {wait:g} s; "
+                                                "retry later", code="verifier_unavailable") from None
+                        raise APIError(503, f"verifier: no reply for {wait:g} s (stalled or overloaded); "
+                                            "retry later", code="verifier_stalled") from None
+                    if chunk is grpc.aio.EOF:
+                        return
+                    received = True
+                    yield chunk
+            except grpc.aio.AioRpcError as e:
+                if received or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
+                    raise
+                log.warning("request %s: verifier unavailable before the first token (%s); trying again",
+                            job.request_id, e.details())
+            finally:
+                call.cancel()  # synchronous: this may run inside a cancelled scope
 
 
 async def _abort(stub, request_id: str) -> None:

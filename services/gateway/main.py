@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of one generation in seconds (504 past it)")
     parser.add_argument("--verifier-timeout", type=float, default=60.0,
                         help="longest the verifier may stay silent within a generation (503 past it: stalled)")
+    parser.add_argument("--verifier-retry", type=float, default=15.0,
+                        help="seconds a request that lost the verifier before its first token waits for it to be "
+                             "back, to be sent again (503 past it)")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generations handled at once; more are answered 429 with Retry-After")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                            verifier_wait_s=args.verifier_wait, security=auth.from_args(args),
                            request_timeout_s=args.request_timeout, verifier_timeout_s=args.verifier_timeout,
-                           max_concurrent_requests=args.max_concurrent_requests)
+                           max_concurrent_requests=args.max_concurrent_requests,
+                           verifier_retry_s=args.verifier_retry)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.

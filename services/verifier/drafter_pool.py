@@ -39,6 +39,7 @@ class DrafterPool:
         self.security = security or Security()
         # RegisterDrafter makes us connect (and send our drafter token) to an address: only to these.
         self.allowed_addresses = list(allowed_addresses if allowed_addresses is not None else LOOPBACK)
+        self.registry = None  # a DrafterRegistry: runtime registrations outlive a restart
         self.client_id = uuid.uuid4().hex  # scopes our sequence ids at drafters shared by several verifiers
         self.drafters: dict[str, DrafterClient] = {}
         self.seq_drafter: dict[int, str] = {}  # where each sequence's drafter-side state lives
@@ -49,15 +50,16 @@ class DrafterPool:
         self._background: set[asyncio.Task] = set()
 
     # -- administration --------------------------------------------------------
-    async def register(self, name: str, address: str, rank: int | None = None, trusted: bool = False) -> DrafterClient:
+    async def register(self, name: str, address: str, rank: int | None = None, trusted: bool = False,
+                       persist: bool = False) -> DrafterClient:
         """rank orders the default choice (lower first); runtime additions go last. A trusted
-        drafter's sparse q is used; it must prove it holds the shared secret (DrafterClient)."""
+        drafter's sparse q is used; it must prove it holds the shared secret (DrafterClient).
+        persist: kept in the registry file, registered again when the verifier restarts."""
         if not name or not address:
             raise ValueError("a drafter needs a name and an address (host:port)")
         if name in self.drafters:
             raise KeyError(f"a drafter named {name!r} is already registered (at {self.drafters[name].address})")
-        client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash,
-                               self.security, trusted)
+        client = self._client(name, address, trusted)
         try:
             await client.connect()
         except BaseException:
@@ -66,13 +68,38 @@ class DrafterPool:
         if name in self.drafters:  # registered concurrently while we connected
             await client.close()
             raise KeyError(f"a drafter named {name!r} is already registered")
-        if self.metrics is not None:
-            client.on_rtt = self.metrics.propose_rtt.labels(name).observe
-        client.rank = rank if rank is not None else max((c.rank for c in self.drafters.values()), default=0) + 1000
-        self.drafters = dict(sorted({**self.drafters, name: client}.items(), key=lambda kv: kv[1].rank))
+        self._add(client, rank)
+        if persist and self.registry is not None:
+            self.registry.add(name, address, trusted)
         log.info("drafter %s registered: %s at %s (max k %d, %s)", name, client.info.method, address,
                  client.info.max_k, "trusted" if trusted else "untrusted: drafts verified as one-hot")
         return client
+
+    def _client(self, name: str, address: str, trusted: bool) -> DrafterClient:
+        client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash,
+                               self.security, trusted)
+        if self.metrics is not None:
+            client.on_rtt = self.metrics.propose_rtt.labels(name).observe
+        return client
+
+    def _add(self, client: DrafterClient, rank: int | None) -> None:
+        client.rank = rank if rank is not None else max((c.rank for c in self.drafters.values()), default=0) + 1000
+        self.drafters = dict(sorted({**self.drafters, client.name: client}.items(), key=lambda kv: kv[1].rank))
+
+    async def restore(self, name: str, address: str, trusted: bool) -> None:
+        """A drafter from the registry file: in the pool at once, healthy once it answers (it may
+        start after us, or be gone: then it shows unhealthy, and RemoveDrafter forgets it)."""
+        if name in self.drafters:
+            return
+        client = self._client(name, address, trusted)
+        self._add(client, None)
+        try:
+            await client.connect()
+            log.info("drafter %s restored from the registry: %s at %s", name, client.info.method, address)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 — unreachable, wrong vocabulary, no proof: keep trying
+            client.mark_broken(e)
 
     def check_address(self, address: str) -> None:
         """PermissionError unless address (host:port) matches an allowed pattern (fnmatch per part)."""
@@ -95,9 +122,12 @@ class DrafterPool:
             await client.drain(self.timeout_s * 2)
         self.drafters.pop(name, None)
         await client.close()
+        if self.registry is not None:
+            self.registry.remove(name)
         log.info("drafter %s removed", name)
 
     async def close(self) -> None:
+        self.registry = None  # shutting down is not removing: the registry keeps them
         for name in list(self.drafters):
             await self.remove(name, drain=False)
 

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='JSON with vLLM\'s keys (num_speculative_tokens, rejection_sample_method, adaptive, ...); '
                         'with "method" the proposer runs in-process instead of in drafter services')
+    p.add_argument("--drafter-registry", default=None, metavar="FILE",
+                   help="keep drafters registered at runtime in this JSON file and register them again at start "
+                        "(default: forgotten on restart)")
     p.add_argument("--no-speculation", action="store_true", help="plain decoding; no drafter pool")
     p.add_argument("--propose-timeout-ms", type=float, default=250.0,
                    help="deadline of one propose round trip; a late drafter costs that step its drafts")
@@ -83,6 +86,15 @@ def run(args) -> int:
         (name, address, True) for name, address in args.trusted_drafter]
     if startup and spec is None:
         raise ValueError("--drafter needs speculation; drop --no-speculation")
+    registry = None
+    if args.drafter_registry:
+        from specd.verifier.drafter_registry import DrafterRegistry
+
+        if spec is None or spec.method is not None:
+            raise ValueError("--drafter-registry needs drafter services (speculation without an in-process method)")
+        registry = DrafterRegistry(args.drafter_registry)
+        registry.load()  # a bad file fails before the model loads
+    args.registry = registry
     if args.trusted_drafter and not security.secret:
         raise ValueError(f"--trusted-drafter needs authentication: give the shared secret (--auth-token-file or "
                          f"${auth.TOKEN_ENV}) here and to the drafter")
@@ -143,6 +155,9 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None)
     async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens))
 
+    if pool is not None:
+        pool.registry = args.registry
+
     def add(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierService(async_engine, info), server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
@@ -189,6 +204,16 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         async_engine.start()
         for rank, (name, address, trusted) in enumerate(startup):  # the first named is the default drafter
             background.append(asyncio.create_task(register_at_start(name, address, rank, trusted)))
+        named = {name for name, _, _ in startup}
+        for entry in args.registry.load() if args.registry is not None else []:
+            if entry["name"] in named:
+                continue  # the command line says where it is now
+            try:
+                pool.check_address(entry["address"])
+            except PermissionError as e:
+                log.error("drafter %s from %s not restored: %s", entry["name"], args.registry.path, e)
+                continue
+            background.append(asyncio.create_task(pool.restore(entry["name"], entry["address"], entry["trusted"])))
 
     background: list[asyncio.Task] = []
 

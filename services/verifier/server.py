@@ -93,7 +93,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                 "speculative method or --no-speculation)")
         try:
             pool.check_address(request.address)
-            await pool.register(request.name, request.address, trusted=request.trusted)
+            await pool.register(request.name, request.address, trusted=request.trusted, persist=True)
         except PermissionError as e:  # an address not allowed, a trusted drafter without proof
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except (VocabularyMismatch, TrustUnavailable) as e:

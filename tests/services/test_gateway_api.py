@@ -501,8 +501,10 @@ def test_verifier_down_gives_503_and_unhealthy(tok):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with make_client(tok, f"127.0.0.1:{port}") as c:
+    with make_client(tok, f"127.0.0.1:{port}", verifier_retry_s=1.0) as c:
+        t0 = time.monotonic()  # tried, and tried again for a second: the verifier might have been restarting
         assert_error(c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2}), 503, contains="unavailable")
+        assert 1.0 <= time.monotonic() - t0 < 10
         assert_error(c.get("/health"), 503)
         assert_error(c.post(COMPLETIONS, json={"prompt": "x", "top_p": 2}), 400, "top_p")  # validation still first
 
