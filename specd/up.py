@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-key", default=None, help="enables the gateway's /admin/* with this key")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve every hop over TLS with this certificate (it must name 127.0.0.1 and --host): "
+                        "gRPC between the services and HTTPS at the gateway")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA bundle the services verify each other against (default: the certificate itself)")
     p.add_argument("--auth-token-file", default=None, metavar="FILE",
                    help="shared secret of the gRPC hops (default: $SPECD_AUTH_TOKEN, else a new random one, "
                         "left for `specd drafters` in $SPECD_CACHE/up/verifier-PORT.token)")
@@ -129,11 +135,13 @@ def grpc_serving(address: str, security=None) -> bool:
         return False
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, ca: str | None = None) -> bool:
+    import ssl
     import urllib.request
 
+    context = ssl.create_default_context(cafile=ca) if ca else None
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
             return reply.status == 200
     except OSError:
         return False
@@ -186,33 +194,38 @@ def run(args) -> int:
     # registered trusted (their sparse q is used). `specd drafters` finds it in the token file.
     secret = auth.read_secret(args.auth_token_file) or auth.generate_secret()
     verifier = f"127.0.0.1:{args.verifier_port}"
+    tls_ca = args.tls_ca or args.tls_cert
+    security = auth.Security(secret=secret, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=tls_ca)
+    server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
+    client_tls = ["--tls-ca", tls_ca] if tls_ca else []
+    scheme = "https" if args.tls_cert else "http"
     token_file = auth.up_token_file(verifier)
     auth.write_secret(token_file, secret)
-    security = auth.Security(secret=secret)
     stack = Stack(secret)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     log = ["--log-level", args.log_level]
     verifier_metrics, drafter_metrics = metrics_ports(args, len(drafters))
-    metrics_urls = [("gateway", f"http://{args.host}:{args.port}/metrics")]
+    metrics_urls = [("gateway", f"{scheme}://{args.host}:{args.port}/metrics")]
     try:
         checks, drafter_flags, names = [], [], []
         for i, (method, model) in enumerate(drafters):
             name = method if sum(m == method for m, _ in drafters) == 1 else f"{method}-{i}"
             port = args.drafter_port + i
             argv = ["drafter", "--method", method, "--name", name, "--port", str(port),
-                    "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log]
+                    "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log,
+                    *server_tls]
             if method == "draft_model":
                 argv += ["--model", model]
             stack.start(f"drafter {name}", argv)
-            checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a)))
+            checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a, security)))
             drafter_flags += ["--trusted-drafter", f"{name}=127.0.0.1:{port}"]
             names.append(name)
             if drafter_metrics[i]:
                 metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
         argv = ["verifier", "--model", target, "--port", str(args.verifier_port), "--metrics-port",
-                str(verifier_metrics), "--threads", str(args.threads), *drafter_flags, *log]
+                str(verifier_metrics), "--threads", str(args.threads), *drafter_flags, *log, *server_tls, *client_tls]
         if verifier_metrics:
             metrics_urls.insert(1, ("verifier", f"http://127.0.0.1:{verifier_metrics}/metrics"))
         if args.no_speculation:
@@ -222,25 +235,29 @@ def run(args) -> int:
         if args.max_model_len:
             argv += ["--max-model-len", str(args.max_model_len)]
         stack.start("verifier", argv)
-        checks.append(("verifier", lambda: grpc_serving(verifier) and drafters_registered(verifier, names, security)))
-        argv = ["gateway", "--verifier", verifier, "--host", args.host, "--port", str(args.port), *log]
+        checks.append(("verifier", lambda: grpc_serving(verifier, security)
+                       and drafters_registered(verifier, names, security)))
+        argv = ["gateway", "--verifier", verifier, "--host", args.host, "--port", str(args.port), *log, *client_tls]
+        if args.tls_cert:
+            argv += ["--ssl-certfile", args.tls_cert, "--ssl-keyfile", args.tls_key]
         for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
             if value:
                 argv += [flag, value]
         stack.start("gateway", argv)
-        checks.append(("gateway", lambda: http_ok(f"http://{args.host}:{args.port}/health")))
+        checks.append(("gateway", lambda: http_ok(f"{scheme}://{args.host}:{args.port}/health", tls_ca)))
         wait_ready(stack, checks, stopping)
         if stopping.is_set():
             return 0
-        url = f"http://{args.host}:{args.port}/v1"
+        url = f"{scheme}://{args.host}:{args.port}/v1"
         model_name = os.path.basename(target.rstrip("/"))
         print(f"specd is up: {url}  (OpenAI API; model {model_name}; "
               f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
-        print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it)",
-              flush=True)
-        print(f"try: curl -s {url}/chat/completions -H 'content-type: application/json' -d "
+        print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it"
+              + (f"; give it --tls-ca {tls_ca})" if tls_ca else ")"), flush=True)
+        cacert = f"--cacert {tls_ca} " if tls_ca else ""
+        print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
         while not stopping.is_set():

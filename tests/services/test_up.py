@@ -118,3 +118,42 @@ def test_sigterm_stops_every_process(up):
     while any(_port_open(ports[p]) for p in ("http", "verifier")) or _port_open(ports["drafter"]):
         assert time.monotonic() < deadline, "a service still listens after specd up stopped"
         time.sleep(0.2)
+
+
+def test_up_with_tls_serves_https_and_grpc_over_tls(launcher, tmp_path):
+    import ssl
+
+    import grpc
+    import httpx
+    from tls_certs import make_self_signed
+
+    from specd import auth
+    from specd.v1 import verifier_pb2 as pb
+    from specd.v1 import verifier_pb2_grpc as pbg
+
+    cert, key = make_self_signed(tmp_path)
+    ports = {name: launcher.free_port() for name in ("http", "verifier", "drafter")}
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--port", str(ports["http"]), "--verifier-port",
+                             str(ports["verifier"]), "--drafter-port", str(ports["drafter"]), "--metrics-port", "0",
+                             "--target", str(demo_model_dir("target")), "--drafter", "ngram",
+                             "--tls-cert", cert, "--tls-key", key],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        line = proc.stdout.readline()
+        assert f"specd is up: https://127.0.0.1:{ports['http']}/v1" in line, proc.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)))
+        out = client.completions.create(model=MODEL, prompt="x = 1\nx = 1\nx = 1\nx", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8
+        verifier = f"127.0.0.1:{ports['verifier']}"
+        secret = auth.read_secret(str(auth.up_token_file(verifier)))
+        stub = pbg.VerifierStub(auth.sync_channel(verifier, auth.Security(secret=secret, tls_ca=cert), auth.VERIFIER))
+        (ngram,) = stub.ListDrafters(pb.ListDraftersRequest(), timeout=30).drafters  # reached over TLS, trusted
+        assert ngram.healthy and ngram.trusted
+        plain = pbg.VerifierStub(auth.sync_channel(verifier, auth.Security(secret=secret), auth.VERIFIER))
+        with pytest.raises(grpc.RpcError):
+            plain.Info(pb.InfoRequest(), timeout=5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
