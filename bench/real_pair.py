@@ -165,10 +165,11 @@ def instrument(llm) -> StepLog:
     return rec
 
 
-def spec_config(method: str, k: int, temperature: float, drafter: str) -> dict:
+def spec_config(method: str, k: int, temperature: float, drafter: str, dtype: str = "auto") -> dict:
     cfg = {"method": method, "num_speculative_tokens": k, "adaptive": False}
     if method == "draft_model":
         cfg["model"] = drafter
+        cfg["draft_dtype"] = dtype  # the drafter runs in the target's dtype
         if temperature > 0:
             cfg["draft_sample_method"] = "sampled"
     elif method == "ngram":
@@ -244,7 +245,7 @@ def offline_stage(args, prompts: dict) -> list[dict]:
                 runs = []
                 for method in args.methods:
                     for k in args.k:
-                        cfg = spec_config(method, k, temp, args.drafter)
+                        cfg = spec_config(method, k, temp, args.drafter, args.dtype)
                         key = (method, k, cfg.get("draft_sample_method"))
                         runs.append((method, k, offline_run(*get(key, cfg), reqs, batch, temp, args.max_tokens)))
                         if method == "suffix":  # its global cache of answers must not outlive the run

@@ -54,7 +54,7 @@ class Services:
                 "--metrics-port", "0", "--threads", str(self.threads), "--log-level", "warning",
                 "--num-speculative-tokens", str(max(8, self.max_k))]
         if method == "draft_model":
-            argv += ["--model", self.drafter]
+            argv += ["--model", self.drafter, "--dtype", self.dtype]
         if DRAFTER_OPTIONS[method]:
             argv += ["--options", json.dumps(DRAFTER_OPTIONS[method])]
         return argv

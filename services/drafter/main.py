@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-total-tokens", type=int, default=8 << 20,
                    help="tokens of history it keeps over all sequences (the same eviction)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="draft model dtype (draft_model; default auto: float32 on CPU)")
     auth.add_arguments(p, server=True, client=False)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
     p.add_argument("--log-level", default="info")
@@ -53,6 +55,8 @@ def build_proposer(args):
         from specd.model_store import default_drafter
 
         model = default_drafter()
+    if args.dtype is not None:
+        options["draft_dtype"] = args.dtype
     spec = SpeculativeConfig.parse({**options, "method": args.method, "model": model,
                                     "num_speculative_tokens": args.num_speculative_tokens})
     proposer = make_proposer(spec, target_vocab_size=None, device=args.device)

@@ -25,10 +25,10 @@ class DistillConfig:
     layers: tuple[int, ...] = (0, 1)  # target layers the drafter's layers start from
     topk: int = 64
     max_len: int = 512
-    epochs: int = 4
+    epochs: int = 10
     batch_tokens: int = 4096
-    lr: float = 5e-4
-    warmup: int = 50
+    lr: float = 3e-3
+    warmup: int = 20
     argmax_weight: float = 0.5
     prompt_weight: float = 0.25
     draft_vocab: int = 8192  # the drafter's output head covers the target's most frequent tokens
