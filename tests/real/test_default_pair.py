@@ -90,10 +90,11 @@ def test_drafter_is_lossless_and_accepted(pair, target_llm):
     params = SamplingParams(temperature=0, max_tokens=64)
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in target_llm.generate(prompts, params)]
-    drafted = sum(o.spec["draft_tokens"] for o in outs)
+    drafts = sum(o.spec["drafts"] for o in outs)
     accepted = sum(o.spec["accepted_tokens"] for o in outs)
-    # the card's held-out greedy acceptance is well above this; an untrained drafter gets ~0
-    assert drafted and accepted / drafted > 0.4, (accepted, drafted)
+    # accepted drafts per step: the card's held-out replay gives 0.41 on chat (tokens/step 1.41);
+    # an untrained drafter gets ~0
+    assert drafts and accepted / drafts > 0.2, (accepted, drafts)
 
 
 def _free_port() -> int:
@@ -118,7 +119,7 @@ def test_up_default_pair_answers_through_openai(pair):
     try:
         line = proc.stdout.readline()
         assert "specd is up" in line and "SmolLM2-135M-Instruct" in line, proc.stderr.read()[-3000:]
-        assert "curl" in proc.stdout.readline() + proc.stdout.readline()
+        assert "curl" in "".join(proc.stdout.readline() for _ in range(3))
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=32, temperature=0,
                                                messages=[{"role": "user", "content": QUESTIONS[0]}])
