@@ -32,6 +32,7 @@ SPEC_OFF = {"speculative": {"num_speculative_tokens": 0}}
 def stack(launcher):
     ports = {name: launcher.free_port() for name in ("dm", "ng", "verifier")}
     dm = launcher.start("drafter-dm", "drafter", ["--method", "draft_model", "--name", "dm",
+                                                  "--model", str(demo_model_dir("drafter")),
                                                   "--metrics-port", str(ports["dm"]), "--log-level", "warning"])
     ng = launcher.start("drafter-ng", "drafter", ["--method", "ngram", "--name", "ng",
                                                   "--metrics-port", str(ports["ng"]), "--log-level", "warning"])
