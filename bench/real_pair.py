@@ -350,6 +350,7 @@ def llamacpp_peer(args, prompts: dict) -> tuple[list[dict], list[str]]:
         import llamacpp as lc
 
         from specd import model_store
+        from specd.cache import file_sha256
     except Exception as e:  # noqa: BLE001
         return [], [f"llama.cpp peer skipped: bench/llamacpp.py not importable ({e})"]
     bin_dir = args.llamacpp_bin or str(lc.DEFAULT_BIN_DIR)
@@ -359,7 +360,7 @@ def llamacpp_peer(args, prompts: dict) -> tuple[list[dict], list[str]]:
 
     def f32_gguf(hf_dir: str) -> str | None:
         """hf_dir converted once with llama.cpp's converter (cached by the weights' sha256)."""
-        digest = model_store.sha256_of(Path(hf_dir) / "model.safetensors")[:12]
+        digest = file_sha256(Path(hf_dir) / "model.safetensors")[:12]
         out = lc.DEFAULT_BENCH_DIR / "models" / f"{Path(hf_dir).name}-{digest}-f32.gguf"
         if not out.is_file():
             try:

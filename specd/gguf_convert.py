@@ -8,7 +8,6 @@ an error naming the file and the part.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -70,14 +69,6 @@ def find_gguf(path: Path) -> Path | None:
                             "pass the one to load")
         return files[0] if files else None
     return None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:

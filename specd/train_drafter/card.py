@@ -1,7 +1,9 @@
 """The drafter's model card (README.md), written from its eval.json after training."""
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -98,11 +100,7 @@ def write_card(out: Path, report: dict, command: str) -> None:
 
 
 def machine(threads: int) -> dict:
-    import datetime
-
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    import os
-
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 

@@ -38,8 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from specd.demo.train import set_determinism
     from specd.model_store import committed_drafter_dir, fetch
 
@@ -49,7 +47,6 @@ def run(args) -> int:
     if not args.card_only:
         train_drafter(target, out, _config(args), args)
     finish(target, out, args)
-    del torch
     return 0
 
 
@@ -90,7 +87,7 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     from transformers import AutoModelForCausalLM
 
     from specd.chat import chat_prompt_ids
-    from specd.model_store import _target_embeddings
+    from specd.model_store import target_embeddings
     from specd.tokenizer import Tokenizer
     from specd.train_drafter import distill
     from specd.train_drafter.prompts import training_prompts
@@ -111,7 +108,7 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
         seqs = _cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
         heldout[name] = distill.teacher_topk(target, seqs, [len(chat_prompt_ids(tok, m)) for m in msgs], cfg, log)
     drafter = distill.make_drafter(target, cfg.layers)
-    drafter.model.embed_tokens.weight.data.copy_(_target_embeddings(target_dir))  # exact, not bf16-rounded
+    drafter.model.embed_tokens.weight.data.copy_(target_embeddings(target_dir))  # exact, not bf16-rounded
     del target
     head = distill.SubsetHead(drafter, distill.choose_draft_vocab(examples, cfg.draft_vocab, drafter.config.vocab_size))
     train_report = distill.train(head, examples, cfg, log)
@@ -153,11 +150,11 @@ def _cached_answers(target_dir: Path, prompts, args, log, greedy_only: bool = Fa
     import torch
 
     from specd.cache import cache_root
-    from specd.model_store import sha256_of
+    from specd.cache import file_sha256
     from specd.train_drafter.answers import generate_answers
 
     dtype = dtype or args.answer_dtype
-    key = hashlib.sha256(json.dumps([sha256_of(target_dir / "model.safetensors"), prompts, args.max_tokens,
+    key = hashlib.sha256(json.dumps([file_sha256(target_dir / "model.safetensors"), prompts, args.max_tokens,
                                      dtype, greedy_only, args.threads]).encode()).hexdigest()[:16]
     path = cache_root() / "train-drafter" / f"answers-{key}.pt"
     if path.is_file():

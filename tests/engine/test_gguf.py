@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from specd import LLM, SamplingParams  # noqa: E402
 from specd.engine.loader import resolve_model_dir  # noqa: E402
-from specd.gguf_convert import GGUFError, file_sha256  # noqa: E402
+from specd.cache import file_sha256  # noqa: E402
+from specd.gguf_convert import GGUFError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

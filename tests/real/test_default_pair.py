@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specd import LLM, SamplingParams, model_store
+from specd.cache import file_sha256
 from specd.chat import chat_prompt_ids
 from specd.workloads import workload
 
@@ -43,7 +44,7 @@ def _chat_ids(llm, question):
 def test_fetch_verifies_every_file(pair):
     target, drafter = pair
     assert model_store.verify(target, model_store.TARGET_SHA256) == []
-    assert model_store.sha256_of(model_store.target_gguf()) == model_store.GGUF_SHA256
+    assert file_sha256(model_store.target_gguf()) == model_store.GGUF_SHA256
     from safetensors import safe_open
 
     with safe_open(str(target / "model.safetensors"), "pt") as t, safe_open(str(drafter / "model.safetensors"), "pt") as d:

@@ -13,7 +13,6 @@ sparse q ships with them so the verifier can accept exactly.
 """
 from __future__ import annotations
 
-import hashlib
 import secrets
 
 import torch
@@ -23,23 +22,11 @@ from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.model_runner import ModelRunner
 from specd.engine.scheduler import ScheduledSeq
+from specd.engine.sampler import draft_seed
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-def draft_seed(seed: int, position: int) -> int:
-    """The seed of the draft at `position` of a request seeded with `seed`.
-
-    Keyed by position, not a stream per request: a resync rebuilds the drafter's state, and a
-    stream restarted from the request seed would replay randomness that already drew drafts the
-    verifier saw. A position is drafted again only when its earlier draft was never verified
-    (an earlier draft was rejected), so its randomness shaped nothing committed. Hashed, so it
-    is never the verifier's own stream for that seed (drafts correlated with the acceptance
-    uniforms would break exactness)."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"specd-draft").digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class DraftModelProposer:
