@@ -43,7 +43,7 @@ def build_proposer(args):
     import json
 
     from specd.config import SpeculativeConfig
-    from specd.drafter.proposers.factory import make_proposer
+    from specd.proposers.factory import make_proposer
     from specd.tokenizer import vocab_hash_of
     from specd.v1 import drafter_pb2
 

@@ -21,7 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from specd.auth import drafter_proof
-from specd.drafter.proposers.base import ProposeRequest
+from specd.proposers.base import ProposeRequest
 from specd.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 

@@ -17,7 +17,7 @@ import logging
 import uuid
 
 from specd.auth import Security
-from specd.drafter.proposers.base import Proposal, ProposeRequest
+from specd.proposers.base import Proposal, ProposeRequest
 from specd.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
 from specd.verifier.drafter_client import DrafterClient

@@ -71,7 +71,7 @@ class LLMEngine:
         self.timings = StepTimings()
 
     def _make_speculator(self, spec: SpeculativeConfig, proposer):
-        from specd.drafter.proposers.factory import make_proposer
+        from specd.proposers.factory import make_proposer
         from specd.engine.speculator import Speculator
 
         if proposer is None:

@@ -39,7 +39,7 @@ class Speculator:
 
     # -- propose ---------------------------------------------------------------
     def propose(self, batch: list[ScheduledSeq], budget_left: int) -> None:
-        from specd.drafter.proposers.base import ProposeRequest
+        from specd.proposers.base import ProposeRequest
 
         decoding = [e for e in batch if e.num_new_tokens == 1 and e.num_logits == 1]
         if not decoding:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specd.demo_paths import demo_model_dir
-from specd.drafter.proposers.base import ProposeRequest
-from specd.drafter.proposers.draft_model import DraftModelProposer
+from specd.proposers.base import ProposeRequest
+from specd.proposers.draft_model import DraftModelProposer
 from specd.engine.sampler import draft_seed
 
 # At this temperature the drafter's top-16 distribution is nearly flat, so which of the 16 it

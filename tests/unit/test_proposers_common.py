@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specd.config import SpeculativeConfig
-from specd.drafter.proposers import PROPOSERS, ProposeRequest
-from specd.drafter.proposers.factory import make_proposer
+from specd.proposers import PROPOSERS, ProposeRequest
+from specd.proposers.factory import make_proposer
 
 METHODS = ["ngram", "suffix"]
 KEYS = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=3),

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specd.drafter.proposers.base import ProposeRequest
-from specd.drafter.proposers.ngram import NgramProposer
+from specd.proposers.base import ProposeRequest
+from specd.proposers.ngram import NgramProposer
 
 
 def full(seq_id: int, tokens: list[int], k: int) -> ProposeRequest:

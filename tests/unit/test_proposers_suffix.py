@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specd.drafter.proposers.base import ProposeRequest
-from specd.drafter.proposers.suffix import SuffixProposer, SuffixTrie
+from specd.proposers.base import ProposeRequest
+from specd.proposers.suffix import SuffixProposer, SuffixTrie
 
 
 def full(seq_id: int, tokens: list[int], k: int, **kw) -> ProposeRequest:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from specd.drafter.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+from specd.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
 
 VLLM_DEFAULT_LOOKUP = 5  # vLLM: "arbitrarily chosen"; both keys default to 5
 

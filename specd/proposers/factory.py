@@ -11,10 +11,10 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
     """target_vocab_size None: no target to check against (the drafter service; the verifier
     checks vocabularies at registration). seed: of the stream unseeded sampled drafts draw from
     (None: random)."""
-    from specd.drafter.proposers.base import PROPOSERS
+    from specd.proposers.base import PROPOSERS
 
     if spec.method == "draft_model":
-        from specd.drafter.proposers.draft_model import DraftModelProposer
+        from specd.proposers.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(spec.model, dtype=spec.draft_dtype, device=device,
                                       sample_method=spec.draft_sample_method, top_k=spec.draft_top_k, seed=seed)

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from specd.drafter.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+from specd.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
 
 
 class _Node:

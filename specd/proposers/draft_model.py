@@ -17,7 +17,7 @@ import secrets
 
 import torch
 
-from specd.drafter.proposers.base import Proposal, ProposeRequest
+from specd.proposers.base import Proposal, ProposeRequest
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.model_runner import ModelRunner
