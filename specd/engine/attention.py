@@ -24,6 +24,9 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     positions_2d: torch.Tensor  # [B, Q] absolute position of each (padded) query row
+    # First cache slot of a lone sequence whose blocks are consecutive: its K/V are then a view
+    # of the cache, with no per-layer gather (the common case at batch 1, see BlockManager).
+    contiguous_start: int | None = None
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -63,8 +66,13 @@ def paged_attention(
     B, Q, C = len(meta.query_lens), meta.max_query_len, meta.max_context_len
     T, H, D = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)  # [B, Hkv, C, D]
-    v = v_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)
+    if meta.contiguous_start is not None:
+        s = meta.contiguous_start
+        k = k_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0).transpose(1, 2)  # [1, Hkv, C, D]
+        v = v_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0).transpose(1, 2)
+    else:
+        k = k_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)  # [B, Hkv, C, D]
+        v = v_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)
     if meta.query_index is None:
         qp = q.view(B, Q, H, D)
     else:

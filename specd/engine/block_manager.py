@@ -40,5 +40,7 @@ class BlockManager:
             self._free.append(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.block_table))
+        # In order, so a later sequence tends to get consecutive blocks again: attention then
+        # reads a lone sequence's K/V as a view of the cache (specd/engine/attention.py).
+        self._free.extend(seq.block_table)
         seq.block_table = []

@@ -117,13 +117,15 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
         raise ValueError(f"checkpoint {model_dir} is missing weights: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
     model.rotary.build(device, dtype)
+    head_ids = None
     draft_vocab = model_dir / "draft_vocab.json"
     if draft_vocab.is_file():
         with open(draft_vocab) as f:
             ids = json.load(f)["ids"]
         if not ids or not all(0 <= i < arch.vocab_size for i in ids):
             raise ValueError(f"{draft_vocab}: ids must be a non-empty list within [0, {arch.vocab_size})")
-        model.restrict_head(torch.tensor(ids, dtype=torch.long))
+        head_ids = torch.tensor(ids, dtype=torch.long)
+    model.prepare(head_ids)
     return model.eval()
 
 

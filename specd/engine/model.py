@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
+from specd.engine.linear import fast_linear, prepack_linears
 from specd.engine.model_config import ModelArchConfig
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
@@ -40,11 +41,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj.forward(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+        qkv = self.qkv_proj.forward(x).view(T, self.h + 2 * self.hkv, self.d)
+        qk, v = qkv[:, : self.h + self.hkv], qkv[:, self.h + self.hkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            qk = torch.cat([self.q_norm.forward(qk[:, : self.h]), self.k_norm.forward(qk[:, self.h:])], dim=1)
+        # q and k rotated in one call: half the elementwise ops of rotating them apart.
+        qk = apply_rotary(qk, *cos_sin)
+        q, k = qk[:, : self.h], qk[:, self.h:]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
@@ -96,12 +99,17 @@ class CausalLM(nn.Module):
         # A drafter may score only a subset of the vocabulary (draft_vocab.json): its head is
         # then those rows, and every other id gets -inf, so it is never drafted.
         self.head_ids: torch.Tensor | None = None  # [V_d]
-        self.head_weight: torch.Tensor | None = None  # [V_d, hidden]
+        self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
 
-    def restrict_head(self, ids: torch.Tensor) -> None:
+    def prepare(self, head_ids: torch.Tensor | None = None) -> None:
+        """After the weights are loaded: pick the matmul path (specd/engine/linear.py) and build
+        the output head, over `head_ids` only when given (a drafter's draft vocabulary)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_ids = ids.to(weight.device)
-        self.head_weight = weight.detach().index_select(0, self.head_ids).contiguous()
+        if head_ids is not None:
+            self.head_ids = head_ids.to(weight.device)
+            weight = weight.detach().index_select(0, self.head_ids).contiguous()
+        self.head = fast_linear(weight)
+        prepack_linears(self.model)
 
     def forward(
         self,
@@ -116,8 +124,8 @@ class CausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer.forward(x, cos_sin, kv, meta)
         x = self.model.norm.forward(x.index_select(0, logits_indices))
-        if self.head_ids is not None:
-            logits = x.new_full((x.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
-            return logits.index_copy_(1, self.head_ids, F.linear(x, self.head_weight).float())
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        logits = self.head.forward(x).float()
+        if self.head_ids is None:
+            return logits
+        full = logits.new_full((x.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_ids, logits)

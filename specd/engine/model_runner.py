@@ -31,53 +31,56 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [sum(num_logits), vocab], float32, in batch order."""
-        token_ids, positions, slots, logits_idx = [], [], [], []
-        query_lens, context_lens, tables = [], [], []
-        bs = self.block_size
+        token_ids, query_lens, context_lens, logits_idx = [], [], [], []
         for entry in batch:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
-            num_committed = n - len(entry.draft_token_ids)
-            token_ids.extend(seq.token_ids[start:start + num_committed])
-            token_ids.extend(entry.draft_token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            row_end = len(positions)
-            logits_idx.extend(range(row_end - entry.num_logits, row_end))
+            token_ids += seq.token_slice(start, start + n - len(entry.draft_token_ids))
+            token_ids += entry.draft_token_ids
+            logits_idx += range(len(token_ids) - entry.num_logits, len(token_ids))
             query_lens.append(n)
             context_lens.append(start + n)
-            tables.append(table)
-        meta = self._metadata(positions, slots, query_lens, context_lens, tables)
-        dev = self.device
-        return self.model(
-            torch.tensor(token_ids, device=dev),
-            torch.tensor(positions, device=dev),
-            meta,
-            self.kv_caches,
-            torch.tensor(logits_idx, device=dev, dtype=torch.long),
-        )
+        B, T, N = len(batch), len(token_ids), len(logits_idx)
+        width = -(-max(context_lens) // self.block_size)
+        tables = [t for e in batch for t in (e.seq.block_table[:width] + [0] * (width - len(e.seq.block_table[:width])))]
+        # The step's integer metadata crosses to the device as one tensor, in one copy.
+        host = torch.tensor(token_ids + query_lens + context_lens + logits_idx + tables, dtype=torch.long)
+        tok, qlens, ctx, logits_rows, flat_tables = host.to(self.device, non_blocking=True).split([T, B, B, N, B * width])
+        block_tables = flat_tables.view(B, width)
+        # Per token: its sequence and absolute position, then its cache slot, all vectorised.
+        seq_of = torch.repeat_interleave(torch.arange(B, device=self.device), qlens, output_size=T)
+        first = torch.cumsum(qlens, 0) - qlens  # [B] first flat row of each sequence
+        positions = (ctx - qlens)[seq_of] + torch.arange(T, device=self.device) - first[seq_of]
+        slots = block_tables[seq_of, positions // self.block_size] * self.block_size + positions % self.block_size
+        meta = self._metadata(block_tables, qlens, ctx, query_lens, context_lens, slots, batch)
+        return self.model(tok, positions, meta, self.kv_caches, logits_rows)
 
-    def _metadata(self, positions, slots, query_lens, context_lens, tables) -> AttentionMetadata:
+    def _metadata(self, block_tables, qlens, ctx, query_lens, context_lens, slots, batch) -> AttentionMetadata:
         dev = self.device
         max_q, max_c = max(query_lens), max(context_lens)
-        width = -(-max_c // self.block_size)
-        block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=dev)
-        padded = any(q != max_q for q in query_lens)
         # Absolute position of every padded query row: context_len - query_len + row.
-        rows = torch.arange(max_q, device=dev)[None, :]
-        starts = torch.tensor([c - q for c, q in zip(context_lens, query_lens)], device=dev)[:, None]
+        positions_2d = (ctx - qlens)[:, None] + torch.arange(max_q, device=dev)[None, :]
         query_index = None
-        if padded:
-            query_index = torch.cat([torch.arange(q, device=dev) + b * max_q for b, q in enumerate(query_lens)])
+        if any(q != max_q for q in query_lens):
+            B = len(query_lens)
+            rows = torch.arange(max_q, device=dev).repeat(B).view(B, max_q)
+            query_index = (rows + torch.arange(B, device=dev)[:, None] * max_q)[rows < qlens[:, None]]
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev, dtype=torch.long),
+            slot_mapping=slots,
             block_tables=block_tables,
             query_lens=query_lens,
             context_lens=context_lens,
             query_index=query_index,
             max_query_len=max_q,
             max_context_len=max_c,
-            positions_2d=starts + rows,
+            positions_2d=positions_2d,
+            contiguous_start=self._contiguous_start(batch, max_c),
         )
+
+    def _contiguous_start(self, batch: list[ScheduledSeq], context_len: int) -> int | None:
+        if len(batch) != 1:
+            return None
+        table = batch[0].seq.block_table[: -(-context_len // self.block_size)]
+        if table[-1] - table[0] != len(table) - 1 or table != list(range(table[0], table[-1] + 1)):
+            return None
+        return table[0] * self.block_size

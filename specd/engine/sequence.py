@@ -38,7 +38,15 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """All tokens, as a new O(L) list: the hot path uses token_slice instead."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - p)]
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
