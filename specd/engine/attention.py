@@ -3,10 +3,13 @@
 Every sequence in a step contributes `query_len` new tokens (a prefill chunk, one
 decode token, or later the last token plus k drafts) and attends to its whole
 context: cached tokens plus the new ones. This file is the one place that knows
-how; torch SDPA over a padded batch today, a paged-attention kernel on GPU later.
+how: torch SDPA over a padded batch (a lone sequence with consecutive blocks reads its K/V
+as a view of the cache), or the Triton kernel in kernels/paged_attention_triton.py, which
+walks the block tables directly (SPECD_PAGED_ATTENTION=triton).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +30,8 @@ class AttentionMetadata:
     # First cache slot of a lone sequence whose blocks are consecutive: its K/V are then a view
     # of the cache, with no per-layer gather (the common case at batch 1, see BlockManager).
     contiguous_start: int | None = None
+    token_seq: torch.Tensor | None = None  # [T] batch row of each new token (the Triton kernel's input)
+    token_pos: torch.Tensor | None = None  # [T] absolute position of each new token
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -55,6 +60,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
+def _triton_requested() -> bool:
+    # Opt-in until it has run natively on a GPU (tests/kernels/test_paged_attention.py runs it
+    # under TRITON_INTERPRET against the torch path below).
+    return os.environ.get("SPECD_PAGED_ATTENTION") == "triton"
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -63,6 +74,11 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
+    if meta.token_seq is not None and _triton_requested():
+        from specd.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta.token_seq, meta.token_pos, meta.block_tables,
+                                      scale, window)
     B, Q, C = len(meta.query_lens), meta.max_query_len, meta.max_context_len
     T, H, D = q.shape
     hkv = k_cache.shape[2]

@@ -53,6 +53,7 @@ class ModelRunner:
         positions = (ctx - qlens)[seq_of] + torch.arange(T, device=self.device) - first[seq_of]
         slots = block_tables[seq_of, positions // self.block_size] * self.block_size + positions % self.block_size
         meta = self._metadata(block_tables, qlens, ctx, query_lens, context_lens, slots, batch)
+        meta.token_seq, meta.token_pos = seq_of, positions
         return self.model(tok, positions, meta, self.kv_caches, logits_rows)
 
     def _metadata(self, block_tables, qlens, ctx, query_lens, context_lens, slots, batch) -> AttentionMetadata:
