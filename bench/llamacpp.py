@@ -497,6 +497,38 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", *, python: s
     return Path(out).expanduser()
 
 
+def bench_decode(bin_dir: str | os.PathLike, model_gguf: str | os.PathLike, *, threads: int, n_gen: int,
+                 depth: int = 0, repetitions: int = 1, cache_type: str | None = None,
+                 omp_wait_policy: str | None = None, timeout_s: float = 600.0) -> dict:
+    """Plain batch-1 decode speed from llama-bench: `-p 0 -n N -d DEPTH` times N single-token
+    decode calls after a DEPTH-token context is filled (the fill and llama-bench's own warm-up
+    run are not timed). cache_type sets the KV cache type (e.g. bf16, f32; llama-bench's
+    default is f16). tok_s is llama-bench's avg_ts over `repetitions` runs."""
+    exe = find_binary(bin_dir, "llama-bench")
+    argv = [str(exe), "-m", str(Path(model_gguf).expanduser()), "-p", "0", "-n", str(n_gen), "-d", str(depth),
+            "-r", str(repetitions), "-t", str(threads), "-o", "json"]
+    if cache_type:
+        argv += ["-ctk", cache_type, "-ctv", cache_type]
+    env = dict(os.environ)
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+    try:
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise LlamaCppError(f"llama-bench timed out after {timeout_s:.0f} s: {' '.join(argv)}") from e
+    if p.returncode != 0:
+        raise LlamaCppError(f"llama-bench failed ({p.returncode}): {' '.join(argv)}\n{p.stderr[-2000:]}")
+    try:
+        rec = json.loads(p.stdout)[0]
+    except (ValueError, IndexError) as e:
+        raise LlamaCppError(f"cannot parse llama-bench JSON: {p.stdout[-500:]!r}") from e
+    return {"tok_s": rec["avg_ts"], "samples_tok_s": rec["samples_ts"], "model_size": rec["model_size"],
+            "n_params": rec["model_n_params"], "type_k": rec["type_k"], "flash_attn": rec["flash_attn"],
+            "poll": rec["poll"], "build_commit": rec["build_commit"], "threads": rec["n_threads"],
+            "omp_wait_policy": env.get("OMP_WAIT_POLICY"), "argv": argv}
+
+
 def make_standin_draft(src_hf_dir: str, out_dir: str, n_layers: int = 2, random_init: bool = False,
                        seed: int = 0) -> Path:
     """A small Llama drafter with the target's tokenizer and vocab, for exercising the

@@ -4,6 +4,8 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 
@@ -39,3 +41,21 @@ def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> d
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def read_bandwidth(mb: int = 512, iters: int = 10) -> dict:
+    """Memory read bandwidth at the current torch thread count: median time of torch.sum over
+    an mb-MB float32 tensor. Filled with ones, not torch.empty: pages never written are mapped
+    to the shared zero page and read far faster than real memory."""
+    import torch
+
+    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # warm-up: faults, caches, thread pool
+    runs = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        x.sum()
+        runs.append(time.perf_counter() - t)
+    nbytes = x.numel() * x.element_size()
+    return {"bytes": nbytes, "gb_s": nbytes / statistics.median(runs) / 1e9, "runs_s": runs,
+            "threads": torch.get_num_threads()}
