@@ -6,33 +6,98 @@ returns, per sequence, its accepted drafts followed by one recovered or bonus to
              in order, stopping at the first rejection (greedy rows: iff x_i == argmax p_i);
   recovered  the token emitted in place of the first rejected draft, drawn from
              norm(max(0, p_i - q_i)) (greedy rows: argmax p_i);
-  bonus      the extra token drawn from the target's next distribution when every draft of
-             the sequence was accepted (greedy rows: its argmax).
+  bonus      the token after the last draft when every draft was accepted. It is not drawn
+             here: the target sampler (specd.engine.sampler) draws it from the target's
+             next distribution and passes it in, as in vLLM v1.
 In the default "strict" mode the emitted tokens follow the target distribution exactly, for
 any draft distribution q. "typical" (Medusa's entropy threshold) and "synthetic" (a fixed
 acceptance rate, for benchmarking) are opt-in, lossy, and reported as such in the output.
 
-Layout: sequence b owns drafts [cu[b], cu[b+1]) of the N-long draft arrays and the k_b + 1
-target rows [cu[b] + b, cu[b+1] + b] — its draft positions, then its bonus position, which
-is the order a verify forward of [last token, x_1..x_k] produces logits in.
+Layout (SpecDecodeMetadata): sequence b owns drafts [cu[b], cu[b+1]) of the N-long draft
+arrays, and the target rows passed in are those of the draft positions, in the same order.
 
 Dispatch: the Triton kernel for CUDA tensors when Triton is importable, the PyTorch
 reference otherwise; SPECD_FORCE_TRITON=1 forces the kernel (for TRITON_INTERPRET=1 on CPU).
-Randomness is drawn outside, by `draw_randomness`, from per-request generators. No host
-sync happens here when the caller passes `max_num_draft` and `all_greedy` (host-side
-metadata it already has); `to_token_lists` is the one place that moves results to the host.
+Randomness is drawn outside, by `draw_randomness`, once per step. No host sync happens
+here (the metadata carries its host-side values); `to_token_lists` is the one place that
+moves results to the host.
 """
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
 
-from specd.kernels.rejection_sampler_ref import STRICT, SYNTHETIC, TYPICAL, rejection_sample_ref
+from specd.kernels.rejection_sampler_ref import (MODES, STRICT, SYNTHETIC, TYPICAL, exponential_race,
+                                                rejection_sample_ref)
 
-MODES = {"strict": STRICT, "typical": TYPICAL, "synthetic": SYNTHETIC}
+__all__ = ["MODES", "STRICT", "SYNTHETIC", "TYPICAL", "SpecDecodeMetadata", "RejectionSampleOutput",
+           "rejection_sample", "draw_randomness", "exponential_race", "target_rows", "cu_num_draft_of",
+           "to_token_lists"]
+
+
+@dataclass
+class SpecDecodeMetadata:
+    """The drafts of one step, flattened over its B sampled sequences (N drafts in all)."""
+
+    draft_token_ids: torch.Tensor  # [N] int64
+    num_draft: torch.Tensor  # [B] int64, may contain 0
+    cu_num_draft: torch.Tensor  # [B + 1] int64: [0, cumsum(num_draft)]
+    num_draft_host: list[int]  # [B] the same counts, host side (randomness, row indices)
+    max_num_draft: int  # host-side max(num_draft); output width is max_num_draft + 1
+    is_greedy: torch.Tensor  # [B] bool: temperature-0 sequences
+    all_greedy: bool  # host side: True skips the random path entirely
+    draft_q_ids: torch.Tensor | None = None  # [N, Kq] int64, unique ids, -1 padded; None: q one-hot
+    draft_q_probs: torch.Tensor | None = None  # [N, Kq] float32, 0 padded
+    mode: str = "strict"
+    posterior_threshold: float = 0.09  # typical mode
+    posterior_alpha: float = 0.3  # typical mode
+    synthetic_acceptance_rate: float = 1.0  # synthetic mode
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown rejection sample mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.mode == "synthetic" and not 0.0 <= self.synthetic_acceptance_rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {self.synthetic_acceptance_rate}")
+        if (self.draft_q_ids is None) != (self.draft_q_probs is None):
+            raise ValueError("draft_q_ids and draft_q_probs go together (both, or neither for one-hot q)")
+
+    @classmethod
+    def build(cls, drafts: Sequence[Sequence[int]], is_greedy: Sequence[bool], device: torch.device | str,
+              draft_q: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]] | None] | None = None,
+              **mode) -> SpecDecodeMetadata:
+        """From host lists: drafts per sequence, and optionally a sparse q per draft
+        ((ids, probs) per position; None for a sequence whose drafts are deterministic)."""
+        num_draft = [len(d) for d in drafts]
+        q_ids = q_probs = None
+        if draft_q is not None and any(draft_q):
+            q_ids, q_probs = _sparse_q(drafts, draft_q)
+        nd = torch.tensor(num_draft, dtype=torch.long)
+        return cls(
+            draft_token_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=device),
+            num_draft=nd.to(device), cu_num_draft=cu_num_draft_of(nd).to(device), num_draft_host=num_draft,
+            max_num_draft=max(num_draft, default=0),
+            is_greedy=torch.tensor(list(is_greedy), dtype=torch.bool, device=device), all_greedy=all(is_greedy),
+            draft_q_ids=None if q_ids is None else q_ids.to(device),
+            draft_q_probs=None if q_probs is None else q_probs.to(device), **mode)
+
+
+def _sparse_q(drafts, draft_q) -> tuple[torch.Tensor, torch.Tensor]:  # [N, Kq] ids (-1 padded), probs
+    width = max(len(ids) for q in draft_q if q for ids, _ in q)
+    n = sum(len(d) for d in drafts)
+    q_ids = torch.full((n, width), -1, dtype=torch.long)
+    q_probs = torch.zeros((n, width), dtype=torch.float32)
+    row = 0
+    for d, q in zip(drafts, draft_q):
+        for i, t in enumerate(d):
+            ids, probs = q[i] if q else ([t], [1.0])
+            q_ids[row, : len(ids)] = torch.tensor(ids)
+            q_probs[row, : len(ids)] = torch.tensor(probs, dtype=torch.float32)
+            row += 1
+    return q_ids, q_probs
 
 
 class RejectionSampleOutput(NamedTuple):
@@ -58,56 +123,25 @@ def backend(device: torch.device | str) -> str:
 
 
 def rejection_sample(
-    target_probs: torch.Tensor,  # [N + B, V] float32, processed target distribution (see layout)
-    draft_token_ids: torch.Tensor,  # [N] int64
-    num_draft: torch.Tensor,  # [B] int64, may contain 0
-    draft_q_ids: torch.Tensor | None,  # [N, Kq] int64, unique ids, -1 padded; None: q = one-hot(draft)
-    draft_q_probs: torch.Tensor | None,  # [N, Kq] float32, 0 padded (ids outside the set have q = 0)
-    is_greedy: torch.Tensor,  # [B] bool: temperature-0 rows
+    meta: SpecDecodeMetadata,
+    target_probs: torch.Tensor | None,  # [N, V] float32, filtered target distribution at each draft
+    target_argmax: torch.Tensor,  # [N] int64 greedy token at each draft (argmax of the raw logits)
+    bonus_token_ids: torch.Tensor,  # [B] int64, from the target sampler
     uniforms: torch.Tensor | None,  # [N] float32 U[0, 1) for the accept tests
-    noise: torch.Tensor | None,  # [B, V] float32 Exp(1) for the one recovered-or-bonus draw
-    *,
-    cu_num_draft: torch.Tensor | None = None,  # [B + 1] int64, [0, cumsum(num_draft)]; None: computed
-    target_argmax: torch.Tensor | None = None,  # [N + B] int64 greedy tokens; default from logits/probs
-    target_logits: torch.Tensor | None = None,  # [N + B, V] raw logits: target_argmax = their argmax
-    max_num_draft: int | None = None,  # host-side max(num_draft); computed (a sync) if None
-    all_greedy: bool | None = None,  # host-side; True skips the random path entirely
-    mode: str = "strict",
-    posterior_threshold: float = 0.09,
-    posterior_alpha: float = 0.3,
-    synthetic_acceptance_rate: float = 1.0,
+    noise: torch.Tensor | None,  # [B, V] float32 Exp(1) > 0: the rows the bonus tokens were drawn with
 ) -> RejectionSampleOutput:
     """Accept or reject every draft of the batch; see the module docstring.
 
-    Greedy rows use `target_argmax`, else the argmax of `target_logits`, else of
-    `target_probs` (pass the raw logits to match non-speculative greedy decoding exactly:
-    softmax can round two close logits to one probability). "typical" changes the accept
-    test of random rows only; "synthetic" accepts each draft of every row (greedy ones too)
-    when its uniform < synthetic_acceptance_rate. In both lossy modes the replacement after
-    a rejection is drawn from p (argmax for greedy rows). uniforms may be None for an
-    all-greedy batch outside synthetic mode, noise for any all-greedy batch.
+    Greedy rows use target_argmax (pass the raw logits' argmax to match non-speculative
+    greedy decoding exactly: softmax can round two close logits to one probability).
+    "typical" changes the accept test of random rows only; "synthetic" accepts each draft
+    of every row (greedy ones too) when its uniform < synthetic_acceptance_rate. In both
+    lossy modes the replacement after a rejection is drawn from p (argmax for greedy rows).
+    target_probs and noise may be None for an all-greedy batch, uniforms too outside synthetic mode.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown rejection sample mode {mode!r}; expected one of {', '.join(MODES)}")
-    if mode == "synthetic" and not 0.0 <= synthetic_acceptance_rate <= 1.0:
-        raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {synthetic_acceptance_rate}")
-    if (draft_q_ids is None) != (draft_q_probs is None):
-        raise ValueError("draft_q_ids and draft_q_probs go together (both, or neither for one-hot q)")
-    if max_num_draft is None:
-        max_num_draft = int(num_draft.max()) if num_draft.numel() else 0
-    if all_greedy is None:
-        # On the GPU this would be a sync: run both paths instead (still correct).
-        all_greedy = bool(is_greedy.all()) if is_greedy.device.type == "cpu" else False
-    if cu_num_draft is None:
-        cu_num_draft = cu_num_draft_of(num_draft)
-    if target_argmax is None:
-        target_argmax = (target_logits if target_logits is not None else target_probs).argmax(dim=-1)
-    impl = _triton_impl() if backend(target_probs.device) == "triton" else rejection_sample_ref
-    out, num_accepted = impl(
-        target_probs, target_argmax, draft_token_ids, num_draft, cu_num_draft, draft_q_ids,
-        draft_q_probs, is_greedy, uniforms, noise, max_num_draft, all_greedy, MODES[mode],
-        posterior_threshold, posterior_alpha, synthetic_acceptance_rate)
-    return RejectionSampleOutput(out, num_accepted, mode != "strict")
+    impl = _triton_impl() if backend(bonus_token_ids.device) == "triton" else rejection_sample_ref
+    out, num_accepted = impl(meta, target_probs, target_argmax, bonus_token_ids, uniforms, noise)
+    return RejectionSampleOutput(out, num_accepted, meta.mode != "strict")
 
 
 def draw_randomness(
@@ -116,24 +150,55 @@ def draw_randomness(
     vocab: int,
     device: torch.device | str,
     default_generator: torch.Generator | None = None,  # for unseeded rows (engine-wide)
+    draws: Sequence[bool] | None = None,  # [B] which sequences draw at all; None: every one
 ) -> tuple[torch.Tensor, torch.Tensor]:  # uniforms [N] float32, noise [B, V] float32
-    """The randomness one rejection_sample call consumes, drawn outside the kernel.
+    """Every random number one step consumes, drawn once, outside the samplers.
 
     A seeded row draws its num_draft uniforms, then its vocab exponentials, from its own
     generator, so its result does not depend on what else is in the batch. Unseeded rows
-    share one vectorised draw from default_generator. Generators must live on `device`.
+    share one vectorised draw from default_generator (all their uniforms, then all their
+    noise rows). Rows that do not draw get uniforms 0 and noise 1 (never read). The noise
+    row serves both the bonus draw and the recovered draw (only one is emitted), so a step
+    without drafts consumes exactly one noise row per drawing sequence.
+    Generators must live on `device`.
     """
-    n = sum(num_draft)
-    uniforms = torch.rand(n, device=device, generator=default_generator)
-    noise = torch.empty(len(num_draft), vocab, device=device).exponential_(generator=default_generator)
-    start = 0
+    B, n = len(num_draft), sum(num_draft)
+    draws = [True] * B if draws is None else list(draws)
+    starts = [0] * B
+    for b in range(1, B):
+        starts[b] = starts[b - 1] + num_draft[b - 1]
+    shared = [b for b in range(B) if draws[b] and generators[b] is None]
+    if len(shared) == B:  # the common case: no scatter
+        uniforms = torch.rand(n, device=device, generator=default_generator)
+        noise = torch.empty(B, vocab, device=device).exponential_(generator=default_generator)
+    else:
+        uniforms = torch.zeros(n, device=device)
+        noise = torch.ones(B, vocab, device=device)
+        if shared:
+            pos = [starts[b] + i for b in shared for i in range(num_draft[b])]
+            if pos:
+                uniforms[torch.tensor(pos, device=device)] = torch.rand(
+                    len(pos), device=device, generator=default_generator)
+            noise[torch.tensor(shared, device=device)] = torch.empty(
+                len(shared), vocab, device=device).exponential_(generator=default_generator)
     for b, (gen, k) in enumerate(zip(generators, num_draft)):
-        if gen is not None:
-            uniforms[start:start + k] = torch.rand(k, device=device, generator=gen)
+        if gen is not None and draws[b]:
+            uniforms[starts[b]:starts[b] + k] = torch.rand(k, device=device, generator=gen)
             noise[b].exponential_(generator=gen)
-        start += k
-    # E = 0 would divide by zero in the race; it has probability ~0 and no effect on the law.
+    # E = 0 has probability ~0 and no effect on the law, but p / E with p = 0 would be NaN,
+    # which argmax picks: a token the filters removed. Clamped, p = 0 gives 0.
     return uniforms, noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def target_rows(num_draft: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Host-side row indices into a verify forward's logits [N + B, V], where sequence b has
+    its k_b draft positions, then its last position: (draft rows [N], bonus rows [B])."""
+    draft_rows, bonus_rows, r = [], [], 0
+    for k in num_draft:
+        draft_rows.extend(range(r, r + k))
+        bonus_rows.append(r + k)
+        r += k + 1
+    return draft_rows, bonus_rows
 
 
 def cu_num_draft_of(num_draft: torch.Tensor) -> torch.Tensor:  # [B] -> [B + 1] int64

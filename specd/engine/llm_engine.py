@@ -1,4 +1,4 @@
-"""The engine loop: schedule → forward → sample → emit, one call each per step."""
+"""The engine loop: schedule → propose → forward → sample/accept → postprocess, one call each per step."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +13,8 @@ from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
-from specd.engine.sampler import Sampler, draft_seed, make_generator
-from specd.engine.scheduler import ScheduledSeq, Scheduler
+from specd.engine.sampler import Sampler, SamplingMetadata, draft_seed, make_generator
+from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 from specd.tokenizer import Tokenizer
@@ -62,10 +62,11 @@ class LLMEngine:
         if not config.enable_chunked_prefill and batched < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is off")
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill)
+        self.eos_token_ids = set(self.arch.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched, config.enable_chunked_prefill,
+                                   self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
-        self.eos_token_ids = set(self.arch.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self.speculator = self._make_speculator(speculative_config, proposer) if speculative_config else None
         self.timings = StepTimings()
@@ -82,8 +83,7 @@ class LLMEngine:
             # correlated with the acceptance uniforms); derived from it, runs stay reproducible.
             proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device,
                                      seed=draft_seed(self.config.seed, -1))
-        return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len, self.block_manager,
-                          self.device, self.sampler.default_generator)
+        return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len)
 
     # -- setup ---------------------------------------------------------------
     def _max_model_len(self, config: EngineConfig) -> int:
@@ -157,6 +157,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -175,68 +178,21 @@ class LLMEngine:
         if not batch:
             return []
         t0 = time.perf_counter()
-        if self.speculator is not None:
-            used = sum(e.num_new_tokens for e in batch)
-            self.speculator.propose(batch, self.scheduler.max_num_batched_tokens - used)
+        spec = self.speculator
+        if spec is not None:
+            budget_left = self.scheduler.max_num_batched_tokens - sum(e.num_new_tokens for e in batch)
+            self.scheduler.attach_drafts(batch, spec.propose(batch, budget_left))
         t1 = time.perf_counter()
-        logits = self.runner.run(batch)
-        new_tokens = self._accept(batch, logits)
+        logits = self.runner.run(batch)  # [Σ num_logits, V] float32
+        meta = SamplingMetadata.from_batch(batch, self.device, **(spec.mode if spec is not None else {}))
+        out = self.sampler(logits, meta)
         t2 = time.perf_counter()
         num_tokens = sum(e.num_new_tokens for e in batch)
-        if self.speculator is not None:
-            self.speculator.controller.observe_verify(num_tokens, t2 - t1)
+        if spec is not None:
+            spec.observe(batch, out.num_accepted)
+            spec.controller.observe_verify(num_tokens, t2 - t1)
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
-        return self._emit(batch, logits, new_tokens)
-
-    def _accept(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[list[int]]:
-        """Tokens to commit per sampled entry: one, or accepted drafts + one when speculating."""
-        sampling = [e.seq for e in batch if e.num_logits]
-        if not sampling:
-            return []
-        # Without drafts in the step the plain sampler gives the same tokens (the same argmax,
-        # the same one exponential row per sampled request) with less bookkeeping: at batch
-        # 32 with speculation switched off that bookkeeping was ~2% of the step. Not in
-        # synthetic mode, which draws for greedy rows too.
-        spec = self.speculator
-        if spec is not None and (spec.config.rejection_sample_method == "synthetic"
-                                 or any(e.draft_token_ids for e in batch)):
-            return spec.accept(batch, logits)[0]
-        tokens = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return [[t] for t in tokens]
-
-    def _emit(self, batch: list[ScheduledSeq], logits: torch.Tensor, new_tokens: list[list[int]]) -> list[Sequence]:
-        finished, row, i = [], 0, 0
-        logprobs = StepLogprobs(batch, logits)
-        for entry in batch:
-            seq = entry.seq
-            if not entry.num_logits:
-                seq.num_computed_tokens += entry.num_new_tokens
-                continue
-            tokens = new_tokens[i]
-            # KV is valid for the last committed token plus the accepted drafts; rejected
-            # slots are rolled back (the newest token's KV is computed next step).
-            rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
-            seq.num_computed_tokens += entry.num_new_tokens - rejected
-            if rejected:
-                self.block_manager.truncate(seq, seq.num_computed_tokens)
-            for j, token in enumerate(tokens):
-                seq.output_token_ids.append(token)
-                logprobs.record(seq, row + j, token)
-                reason = self._stop_reason(seq, token)
-                if reason:  # a stop inside accepted drafts ends the sequence right there
-                    self._finish(seq, reason)
-                    finished.append(seq)
-                    break
-            row += entry.num_logits
-            i += 1
+        finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits))
+        for seq in finished:
+            self._release(seq)
         return finished
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.stop_checker is not None and seq.stop_checker.add(token):
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None

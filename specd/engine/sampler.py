@@ -1,46 +1,115 @@
-"""Next-token sampling for a batch: greedy, temperature, top-k, top-p, min-p, seeds.
+"""Sampling for one engine step: the target sampler, then the rejection sampler (vLLM v1's split).
 
-Sampling uses the exponential race, argmax(p / E) with E ~ Exp(1), which draws
-exactly from p without a host sync. Each seeded request draws its noise from its
-own generator, so its tokens do not depend on what else is in the batch.
+  SamplingMetadata  the step's inputs, built once from the batch: per-row sampling params
+                    as tensors, generators, and the drafts (SpecDecodeMetadata).
+  draw_randomness   every uniform and Exp(1) row the step consumes, drawn once, up front.
+  Sampler           the target token of each sampled sequence from its last logits row:
+                    argmax of the raw logits (greedy) or the exponential race argmax(p / E),
+                    which draws exactly from p without a host sync. For a sequence without
+                    drafts that is its next token; with drafts, its bonus token.
+  rejection_sample  takes those bonus tokens and only decides acceptance and draws the
+                    recovered tokens, with the same noise row as the bonus (one of the two
+                    is emitted). So a step without drafts consumes what a plain step does.
+Each seeded request draws from its own generator, so its tokens do not depend on what else
+is in the batch.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import torch
 
+from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_randomness, exponential_race,
+                                             rejection_sample, target_rows, to_token_lists)
 from specd.sampling import SamplingParams
+
+_NO_TOP_K = torch.iinfo(torch.int64).max  # a rank never reached: top-k off for that row
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def apply_sampling_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on float32 logits [N, V] → probabilities [N, V]."""
-    n, vocab = logits.shape
-    dev = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-    x = logits / temps[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+@dataclass
+class SamplingMetadata:
+    """One step's sampling inputs. B sampled sequences and R = N + B logits rows: sequence b's
+    k_b draft positions, then its last position (the order a verify forward produces)."""
+
+    temperature: torch.Tensor  # [R] float32 (1 on greedy rows: their probabilities go unused)
+    top_k: torch.Tensor | None  # [R] int64 (_NO_TOP_K where off); None: no row uses top-k or top-p
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32; None: no row uses min-p
+    draft_rows: torch.Tensor  # [N] int64: the logits rows of the draft positions
+    bonus_rows: torch.Tensor  # [B] int64: the logits row of each sequence's last position
+    generators: list[torch.Generator | None]  # [B] seeded requests' own; None: the engine's
+    draws: list[bool]  # [B] host: which sequences draw randomness this step
+    spec: SpecDecodeMetadata  # drafts (all num_draft 0 without speculation), greedy mask, mode
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str,
+              generators: Sequence[torch.Generator | None] | None = None,
+              drafts: Sequence[Sequence[int]] | None = None, draft_q: Sequence | None = None,
+              **mode) -> SamplingMetadata:
+        """From host lists, one entry per sampled sequence; mode: SpecDecodeMetadata's knobs."""
+        B = len(params)
+        drafts = [[] for _ in range(B)] if drafts is None else drafts
+        greedy = [p.greedy for p in params]
+        spec = SpecDecodeMetadata.build(drafts, greedy, device, draft_q, **mode)
+        synthetic = spec.mode == "synthetic"  # accepts greedy rows' drafts by chance: they draw too
+        rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
+        draft_rows, bonus_rows = target_rows(spec.num_draft_host)
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in rows):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else _NO_TOP_K for p in rows], device=device)
+            top_p = torch.tensor([p.top_p for p in rows], device=device)
+        if any(p.min_p > 0 for p in rows):
+            min_p = torch.tensor([p.min_p for p in rows], device=device)
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+        return cls(
+            temperature=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows], device=device),
+            top_k=top_k, top_p=top_p, min_p=min_p,
+            draft_rows=tensor(draft_rows), bonus_rows=tensor(bonus_rows),
+            generators=[None] * B if generators is None else list(generators),
+            draws=[not g or (synthetic and bool(d)) for g, d in zip(greedy, drafts)],
+            spec=spec)
+
+    @classmethod
+    def from_batch(cls, batch, device: torch.device | str, **mode) -> SamplingMetadata:
+        """From the scheduled batch (ScheduledSeq entries; those with logits are sampled)."""
+        sampled = [e for e in batch if e.num_logits]
+        return cls.build([e.seq.params for e in sampled], device, [e.seq.generator for e in sampled],
+                         [e.draft_token_ids for e in sampled],
+                         [e.drafts.q if e.drafts else None for e in sampled], **mode)
+
+
+def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on float32 logits [R, V] → probabilities [R, V]."""
+    vocab = logits.shape[-1]
+    x = logits / meta.temperature[:, None]
+    if meta.top_k is not None:
         sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        sorted_x = sorted_x.masked_fill(ranks >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_x = sorted_x.masked_fill(ranks >= meta.top_k[:, None], float("-inf"))
         probs_sorted = sorted_x.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        sorted_x = sorted_x.masked_fill(mass_before > torch.tensor(top_p, device=dev)[:, None], float("-inf"))
+        sorted_x = sorted_x.masked_fill(mass_before > meta.top_p[:, None], float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     probs = x.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
-        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    if meta.min_p is not None:
+        keep = probs >= meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[list[int]]  # per sampled sequence: accepted drafts, then one recovered/bonus token
+    num_accepted: list[int]  # per sampled sequence
 
 
 class Sampler:
@@ -48,20 +117,35 @@ class Sampler:
         # Shared generator for unseeded requests: reproducible engine runs, batch-dependent draws.
         self.default_generator = make_generator(seed, device)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits [N, V] float32 → one token per row."""
-        greedy = [p.greedy for p in params]
-        tokens = logits.argmax(dim=-1)
-        if not all(greedy):
-            probs = apply_sampling_filters(logits, params)
-            noise = torch.empty_like(probs)
-            for i, (is_greedy, gen) in enumerate(zip(greedy, generators)):
-                if not is_greedy:
-                    noise[i].exponential_(generator=gen or self.default_generator)
-            sampled = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
-        return tokens.tolist()
+    @staticmethod
+    def sample_target(greedy_tokens: torch.Tensor, probs: torch.Tensor | None, is_greedy: torch.Tensor,
+                      noise: torch.Tensor | None) -> torch.Tensor:
+        """greedy_tokens [B] (argmax of the raw logits), probs [B, V] | None (all greedy),
+        is_greedy [B], noise [B, V] → the target token of each row [B]."""
+        if probs is None:
+            return greedy_tokens
+        return torch.where(is_greedy, greedy_tokens, exponential_race(probs, noise))
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [R, V] float32 → per sampled sequence, the tokens to commit."""
+        spec = meta.spec
+        if not meta.generators:  # only mid-prefill chunks in the step
+            return SamplerOutput([], [])
+        uniforms = noise = None
+        if any(meta.draws):
+            uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
+                                              logits.device, self.default_generator, meta.draws)
+        probs = None if spec.all_greedy else apply_sampling_filters(logits, meta)  # [R, V]
+        # Greedy from the raw logits: softmax can round two close logits to one probability.
+        greedy_tokens = logits.argmax(dim=-1)  # [R]
+        if spec.max_num_draft == 0:  # every row is a last row: no drafts to verify
+            tokens = self.sample_target(greedy_tokens, probs, spec.is_greedy, noise)
+            return SamplerOutput([[t] for t in tokens.tolist()], [0] * len(meta.generators))
+        bonus = self.sample_target(greedy_tokens[meta.bonus_rows],
+                                   None if probs is None else probs[meta.bonus_rows], spec.is_greedy, noise)
+        out = rejection_sample(spec, None if probs is None else probs[meta.draft_rows],
+                               greedy_tokens[meta.draft_rows], bonus, uniforms, noise)
+        return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())
 
 
 def draft_seed(seed: int, position: int) -> int:

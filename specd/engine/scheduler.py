@@ -1,17 +1,30 @@
-"""Continuous batching under a token budget, with chunked prefill and preemption.
+"""Continuous batching under a token budget, with chunked prefill and preemption, and what a
+step's output does to the sequences.
 
 Plain Python over Sequence objects (no torch), so it is unit-tested alone.
 Each step: running sequences first (in arrival order), then waiting ones (FCFS).
 When KV blocks run out, the most recently arrived running sequence is preempted:
 its blocks are freed and it is recomputed later from its prompt + outputs.
+attach_drafts puts a step's drafts into its batch (their KV blocks allocated here);
+postprocess commits the sampled tokens: KV commit and rollback, stops, logprobs.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterable, Protocol
 
 from specd.engine.block_manager import BlockManager
 from specd.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class Drafts:
+    """A proposer's drafts for one sequence, as the speculator hands them to the scheduler."""
+
+    token_ids: list[int]
+    q: list[tuple[list[int], list[float]]] | None = None  # sparse q per draft: (ids, probs); None: one-hot
+    drafter: str | None = None  # who proposed them (per-drafter acceptance counters)
 
 
 @dataclass
@@ -19,16 +32,25 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes: token_ids[computed : computed + n]
     num_logits: int  # logits wanted at the last num_logits of those positions (0 = mid-prefill chunk)
-    # Speculation fills these after scheduling: the forward then covers [last token, *drafts].
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_q: list | None = None  # sparse q per draft: (ids, probs); None = deterministic drafts
-    drafter: str | None = None  # who proposed the drafts (per-drafter acceptance counters)
+    # Set by attach_drafts: the forward then covers [last token, *drafts], all with logits.
+    drafts: Drafts | None = None
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.drafts.token_ids if self.drafts is not None else []
+
+
+class LogprobsRecorder(Protocol):  # specd.engine.logprobs.StepLogprobs
+    def record(self, seq: Sequence, row: int, token: int) -> None: ...
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, eos_token_ids: Iterable[int] = (),
+                 max_model_len: int | None = None):
         self.blocks = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -74,6 +96,58 @@ class Scheduler:
             batch.append(self._entry(seq, n))
             budget -= n
         return batch
+
+    def attach_drafts(self, batch: list[ScheduledSeq], drafts: dict[int, Drafts]) -> None:
+        """Give each decoding entry its drafts (by seq_id) and the KV blocks they need; an entry
+        whose blocks cannot be had stays without drafts (it still decodes its one token)."""
+        for e in batch:
+            d = drafts.get(e.seq.seq_id)
+            if d is None or not d.token_ids or e.num_new_tokens != 1 or e.num_logits != 1:
+                continue
+            if self.blocks.allocate(e.seq, e.seq.num_computed_tokens + 1 + len(d.token_ids)):
+                e.drafts = d
+                e.num_new_tokens = e.num_logits = 1 + len(d.token_ids)
+
+    def postprocess(self, batch: list[ScheduledSeq], sampled: list[list[int]],
+                    logprobs: LogprobsRecorder | None = None) -> list[Sequence]:
+        """Commit a step: sampled[i] are the tokens of the i-th entry with logits (accepted
+        drafts, then one). Returns the sequences that finished in it."""
+        finished, row, i = [], 0, 0
+        for entry in batch:
+            seq = entry.seq
+            if not entry.num_logits:
+                seq.num_computed_tokens += entry.num_new_tokens
+                continue
+            tokens = sampled[i]
+            # KV is valid for the last committed token plus the accepted drafts; rejected
+            # slots are rolled back (the newest token's KV is computed next step).
+            rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
+            seq.num_computed_tokens += entry.num_new_tokens - rejected
+            if rejected:
+                self.blocks.truncate(seq, seq.num_computed_tokens)
+            for j, token in enumerate(tokens):
+                seq.output_token_ids.append(token)
+                if logprobs is not None:
+                    logprobs.record(seq, row + j, token)
+                reason = self._stop_reason(seq, token)
+                if reason:  # a stop inside accepted drafts ends the sequence right there
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            row += entry.num_logits
+            i += 1
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.stop_checker is not None and seq.stop_checker.add(token):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or (
+                self.max_model_len is not None and len(seq) >= self.max_model_len):
+            return "length"
+        return None
 
     @staticmethod
     def _entry(seq: Sequence, n: int) -> ScheduledSeq:

@@ -1,11 +1,10 @@
-"""The speculative part of an engine step: propose drafts before the forward, accept after.
+"""The speculative part of an engine step: drafts before the forward, counters after.
 
 propose: the controller picks k per decoding sequence, the proposer (the same objects
-  the drafter service hosts) drafts, and the drafts join the ragged batch as extra
-  query positions: [last token, d1 .. dk], all with logits.
-accept:  one batched rejection-sampling call over every sampled sequence (a sequence
-  without drafts is just "bonus" sampling), with randomness drawn from each request's
-  own generator so seeded requests reproduce whatever the batch.
+  the drafter service hosts) drafts, and the validated drafts go back to the engine as
+  Drafts per sequence; the scheduler attaches them to the batch ([last token, d1 .. dk],
+  all with logits). Verification is the sampler's (specd.engine.sampler).
+observe: acceptance per sequence feeds the controller and the per-drafter counters.
 """
 from __future__ import annotations
 
@@ -13,24 +12,17 @@ import math
 import time
 from collections import defaultdict
 
-import torch
-
 from specd.config import SpeculativeConfig
-from specd.engine.block_manager import BlockManager
-from specd.engine.sampler import apply_sampling_filters
-from specd.engine.scheduler import ScheduledSeq
+from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
 from specd.engine.spec_stats import SpecStats
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer, vocab_size: int, max_model_len: int,
-                 block_manager: BlockManager, device: torch.device, default_generator: torch.Generator):
+    def __init__(self, config: SpeculativeConfig, proposer, vocab_size: int, max_model_len: int):
         self.config, self.proposer = config, proposer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.blocks, self.device = block_manager, device
-        self.default_generator = default_generator
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
         # Counters per drafter (the in-process proposer counts as its method): the verifier
@@ -38,12 +30,20 @@ class Speculator:
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
 
     # -- propose ---------------------------------------------------------------
-    def propose(self, batch: list[ScheduledSeq], budget_left: int) -> None:
+    @property
+    def mode(self) -> dict:
+        """The rejection sampler's knobs (SpecDecodeMetadata's keyword arguments)."""
+        c = self.config
+        return dict(mode=c.rejection_sample_method, posterior_threshold=c.posterior_threshold,
+                    posterior_alpha=c.posterior_alpha, synthetic_acceptance_rate=c.synthetic_acceptance_rate or 0.0)
+
+    def propose(self, batch: list[ScheduledSeq], budget_left: int) -> dict[int, Drafts]:
+        """Drafts by seq_id for the decoding entries of the batch (the batch is not changed)."""
         from specd.proposers.base import ProposeRequest
 
         decoding = [e for e in batch if e.num_new_tokens == 1 and e.num_logits == 1]
         if not decoding:
-            return
+            return {}
         caps = [self._cap(e.seq, budget_left) for e in decoding]
         base_tokens = sum(e.num_new_tokens for e in batch)
         ks = self.controller.choose([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
@@ -54,15 +54,15 @@ class Speculator:
                 continue
             seq = e.seq
             full = seq.spec_sent == 0
-            tokens = seq.token_ids
-            requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=tokens[seq.spec_sent:],
-                                           num_tokens=len(tokens), k=k, full_history=full,
+            length = len(seq)
+            requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=seq.token_slice(seq.spec_sent, length),
+                                           num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed))
             entries.append(e)
-            seq.spec_sent = len(tokens)
+            seq.spec_sent = length
         if not requests:
-            return
+            return {}
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
         if any(p.token_ids for p in proposals):
@@ -71,16 +71,16 @@ class Speculator:
             # out for long after the drafter recovered.
             self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0)
         by_id = {p.seq_id: p for p in proposals}
+        out = {}
         for e, req in zip(entries, requests):
             p = by_id.get(e.seq.seq_id)
             if p is None or p.resync:
                 e.seq.spec_sent = 0  # resend the full history next time
                 continue
             drafts, q = self._validated(p, req.k)
-            if drafts and self.blocks.allocate(e.seq, e.seq.num_computed_tokens + 1 + len(drafts)):
-                e.draft_token_ids, e.draft_q = drafts, q
-                e.drafter = p.drafter or self.config.method
-                e.num_new_tokens = e.num_logits = 1 + len(drafts)
+            if drafts:
+                out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method)
+        return out
 
     def _fixed_k(self, seq: Sequence) -> int | None:
         """The request's own k, if any; seeded requests always draft at full k (batch-independent)."""
@@ -121,73 +121,15 @@ class Speculator:
             return False
         return abs(sum(probs) - 1.0) < 1e-3 and probs[ids.index(draft)] > 0 if draft in ids else False
 
-    # -- accept ----------------------------------------------------------------
-    def accept(self, batch: list[ScheduledSeq], logits: torch.Tensor):
-        """logits [Σ num_logits, V] → per sampled entry, the tokens to commit (accepted + 1)."""
-        from specd.kernels.rejection_sampler import rejection_sample
-
-        sampled = [e for e in batch if e.num_logits]
-        num_draft = [len(e.draft_token_ids) for e in sampled]
-        params = [e.seq.params for e in sampled]
-        all_greedy = all(p.greedy for p in params)
-        if all_greedy and self.config.rejection_sample_method != "synthetic":  # argmax of the raw logits decides; no distribution, no randomness
-            probs, uniforms, noise = logits, None, None
-        else:
-            row_params = [p for p, n in zip(params, num_draft) for _ in range(n + 1)]
-            probs = apply_sampling_filters(logits, row_params)
-            uniforms, noise = self._randomness(sampled, num_draft)
-        draft_ids = torch.tensor([t for e in sampled for t in e.draft_token_ids], dtype=torch.long,
-                                 device=self.device)
-        q_ids, q_probs = self._sparse_q(sampled, num_draft)
-        out, num_accepted, _ = rejection_sample(
-            probs, draft_ids, torch.tensor(num_draft, dtype=torch.long, device=self.device), q_ids, q_probs,
-            torch.tensor([p.greedy for p in params], device=self.device), uniforms, noise,
-            target_logits=logits,
-            max_num_draft=max(num_draft),
-            all_greedy=all_greedy,
-            mode=self.config.rejection_sample_method,
-            posterior_threshold=self.config.posterior_threshold,
-            posterior_alpha=self.config.posterior_alpha,
-            synthetic_acceptance_rate=self.config.synthetic_acceptance_rate or 0.0,
-        )
-        rows, accepted = out.tolist(), num_accepted.tolist()
-        tokens = []
-        for e, row, n_acc, n in zip(sampled, rows, accepted, num_draft):
-            tokens.append(row[: n_acc + 1])
+    # -- after the step ----------------------------------------------------------
+    def observe(self, batch: list[ScheduledSeq], num_accepted: list[int]) -> None:
+        """num_accepted[i]: accepted drafts of the i-th entry with logits."""
+        for e, n_acc in zip((e for e in batch if e.num_logits), num_accepted):
+            n = len(e.draft_token_ids)
             self.controller.observe_accept(e.seq.seq_id, n, n_acc)
             e.seq.spec_stats.observe_draft(n, n_acc)
             if n:
-                self.stats_by_drafter[e.drafter or self.config.method or "unknown"].observe_draft(n, n_acc)
-        return tokens, num_accepted
-
-    def _sparse_q(self, sampled, num_draft):
-        if not any(e.draft_q for e in sampled):
-            return None, None  # every draft deterministic: q is one-hot
-        width = max(len(ids) for e in sampled if e.draft_q for ids, _ in e.draft_q)
-        n = sum(num_draft)
-        q_ids = torch.full((n, width), -1, dtype=torch.long)
-        q_probs = torch.zeros((n, width), dtype=torch.float32)
-        row = 0
-        for e in sampled:
-            for i, t in enumerate(e.draft_token_ids):
-                ids, probs = e.draft_q[i] if e.draft_q else ([t], [1.0])
-                q_ids[row, : len(ids)] = torch.tensor(ids)
-                q_probs[row, : len(ids)] = torch.tensor(probs, dtype=torch.float32)
-                row += 1
-        return q_ids.to(self.device), q_probs.to(self.device)
-
-    def _randomness(self, sampled, num_draft):
-        uniforms = torch.zeros(sum(num_draft), device=self.device)
-        noise = torch.ones(len(sampled), self.vocab_size, device=self.device)
-        row = 0
-        for i, (e, n) in enumerate(zip(sampled, num_draft)):
-            synthetic = self.config.rejection_sample_method == "synthetic"  # accepts greedy rows by chance too
-            if not e.seq.params.greedy or synthetic:
-                gen = e.seq.generator or self.default_generator
-                uniforms[row: row + n].uniform_(generator=gen)
-                noise[i].exponential_(generator=gen)
-            row += n
-        return uniforms, noise
+                self.stats_by_drafter[e.drafts.drafter or self.config.method or "unknown"].observe_draft(n, n_acc)
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from specd.engine.sampler import make_generator
+from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
 from specd.kernels import rejection_sampler as rs
+from specd.sampling import SamplingParams
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -32,22 +33,31 @@ def one_hot_rows(argmaxes: list[int], vocab: int) -> torch.Tensor:
     return probs
 
 
-def run(drafts: list[list[int]], argmaxes: list[list[int]], vocab: int = 6, greedy=None, **kw):
-    num_draft = torch.tensor([len(d) for d in drafts])
+def verify(meta: rs.SpecDecodeMetadata, probs: torch.Tensor, uniforms, noise, argmax=None):
+    """probs [N + B, V] in a verify forward's row order (each sequence's draft positions, then
+    its last one): the target sampler draws the bonus tokens, the rejection sampler the rest."""
+    draft_rows, bonus_rows = (torch.tensor(r, dtype=torch.long) for r in rs.target_rows(meta.num_draft_host))
+    argmax = probs.argmax(-1) if argmax is None else argmax
+    bonus = Sampler.sample_target(argmax[bonus_rows], None if meta.all_greedy else probs[bonus_rows],
+                                  meta.is_greedy, noise)
+    return rs.rejection_sample(meta, probs[draft_rows], argmax[draft_rows], bonus, uniforms, noise)
+
+
+def run(drafts: list[list[int]], argmaxes: list[list[int]], vocab: int = 6, greedy=None, max_num_draft=None, **kw):
     greedy = [True] * len(drafts) if greedy is None else greedy
     probs = one_hot_rows([t for row in argmaxes for t in row], vocab)
-    uniforms, noise = rs.draw_randomness([None] * len(drafts), num_draft.tolist(), vocab, "cpu",
+    meta = rs.SpecDecodeMetadata.build(drafts, greedy, "cpu", **kw)
+    if max_num_draft is not None:
+        meta.max_num_draft = max_num_draft
+    uniforms, noise = rs.draw_randomness([None] * len(drafts), meta.num_draft_host, vocab, "cpu",
                                          make_generator(0, torch.device("cpu")))
-    return rs.rejection_sample(
-        probs, torch.tensor([t for d in drafts for t in d], dtype=torch.long), num_draft, None, None,
-        torch.tensor(greedy), uniforms, noise, **kw)
+    return verify(meta, probs, uniforms, noise)
 
 
 def test_greedy_crafted_cases(backend):
     out = run(
         drafts=[[1, 2, 3], [1, 5], [], [3, 3, 3]],
-        argmaxes=[[1, 2, 3, 4], [1, 2, 0], [5], [0, 3, 3, 1]],
-        all_greedy=True)
+        argmaxes=[[1, 2, 3, 4], [1, 2, 0], [5], [0, 3, 3, 1]])
     assert out.output_token_ids.tolist() == [
         [1, 2, 3, 4],  # all accepted, then the bonus argmax
         [1, 2, -1, -1],  # accept the prefix, reject at 1: the replacement is the argmax there
@@ -60,34 +70,29 @@ def test_greedy_crafted_cases(backend):
 
 
 def test_greedy_rows_in_a_mixed_batch_and_wider_output(backend):
-    out = run(drafts=[[1, 2], [4]], argmaxes=[[1, 3, 0], [4, 2]], greedy=[True, False],
-              max_num_draft=3, all_greedy=False)
+    out = run(drafts=[[1, 2], [4]], argmaxes=[[1, 3, 0], [4, 2]], greedy=[True, False], max_num_draft=3)
     assert out.output_token_ids.shape == (2, 4)
     assert out.output_token_ids[0].tolist() == [1, 3, -1, -1]
     assert out.num_accepted[0] == 1
 
 
 def test_all_greedy_needs_no_randomness(backend):
-    num_draft = torch.tensor([2, 1])
+    meta = rs.SpecDecodeMetadata.build([[1, 0], [4]], [True, True], "cpu")
     probs = one_hot_rows([1, 2, 0, 4, 4], 6)
-    out = rs.rejection_sample(probs, torch.tensor([1, 0, 4]), num_draft,
-                              None, None, torch.tensor([True, True]), None, None,
-                              max_num_draft=2, all_greedy=True)
+    out = verify(meta, probs, None, None)
     assert out.output_token_ids.tolist() == [[1, 2, -1], [4, 4, -1]]
 
 
 def test_greedy_uses_the_given_argmax():
     # Probabilities tie; the raw logits' argmax (passed in) decides, as in non-speculative greedy.
     probs = torch.full((2, 4), 0.25)
-    num_draft = torch.tensor([1])
-    out = rs.rejection_sample(probs, torch.tensor([3]), num_draft,
-                              None, None, torch.tensor([True]), None, None,
-                              target_argmax=torch.tensor([3, 2]), all_greedy=True)
+    meta = rs.SpecDecodeMetadata.build([[3]], [True], "cpu")
+    out = verify(meta, probs, None, None, argmax=torch.tensor([3, 2]))
     assert out.output_token_ids.tolist() == [[3, 2]]
+    # The engine's sampler takes that argmax from the raw logits.
     logits = torch.tensor([[0.0, 0.0, 0.0, 1e-9], [0.0, 0.0, 1e-9, 0.0]])
-    out = rs.rejection_sample(probs, torch.tensor([3]), num_draft, None, None, torch.tensor([True]),
-                              None, None, target_logits=logits, cu_num_draft=torch.tensor([0, 1]))
-    assert out.output_token_ids.tolist() == [[3, 2]]
+    meta = SamplingMetadata.build([SamplingParams(temperature=0.0)], "cpu", drafts=[[3]])
+    assert Sampler(torch.device("cpu"))(logits, meta).token_ids == [[3, 2]]
 
 
 def seeded_batch_output(position: int, others: int, other_seed: int, sparse: bool,
@@ -119,8 +124,11 @@ def seeded_batch_output(position: int, others: int, other_seed: int, sparse: boo
         q_probs = torch.tensor([[0.7, 0.3]]).expand(n, 2)
     uniforms, noise = rs.draw_randomness(gens, num_draft, vocab, "cpu",
                                          make_generator(other_seed, torch.device("cpu")))
-    out = rs.rejection_sample(torch.cat(probs), torch.tensor(drafts), nd, q_ids,
-                              q_probs, torch.zeros(len(nd), dtype=torch.bool), uniforms, noise)
+    meta = rs.SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(drafts), num_draft=nd, cu_num_draft=rs.cu_num_draft_of(nd),
+        num_draft_host=num_draft, max_num_draft=max(num_draft), is_greedy=torch.zeros(len(nd), dtype=torch.bool),
+        all_greedy=False, draft_q_ids=q_ids, draft_q_probs=q_probs)
+    out = verify(meta, torch.cat(probs), uniforms, noise)
     return rs.to_token_lists(out.output_token_ids)[position]
 
 
@@ -148,14 +156,13 @@ def test_draw_randomness_is_per_generator():
 @pytest.mark.parametrize("rate", [0.25, 0.8])
 def test_synthetic_mode_accepts_at_the_set_rate_and_is_flagged(rate):
     trials, vocab = 100_000, 8
-    num_draft = torch.ones(trials, dtype=torch.long)
     probs = torch.full((2 * trials, vocab), 1.0 / vocab)
     is_greedy = torch.arange(trials) % 2 == 0  # applies to greedy rows too
     uniforms, noise = rs.draw_randomness([None] * trials, [1] * trials, vocab, "cpu",
                                          make_generator(int(rate * 100), torch.device("cpu")))
-    out = rs.rejection_sample(probs, torch.full((trials,), 3), num_draft,
-                              None, None, is_greedy, uniforms, noise, max_num_draft=1,
-                              mode="synthetic", synthetic_acceptance_rate=rate)
+    meta = rs.SpecDecodeMetadata.build([[3]] * trials, is_greedy.tolist(), "cpu", mode="synthetic",
+                                       synthetic_acceptance_rate=rate)
+    out = verify(meta, probs, uniforms, noise)
     assert out.lossy is True
     observed = out.num_accepted.double().mean().item()
     assert abs(observed - rate) < 5 * math.sqrt(rate * (1 - rate) / trials), observed
@@ -168,28 +175,27 @@ def test_typical_mode_threshold_and_flag(backend):
     alpha = 0.3
     cut = min(0.09, alpha * math.exp(-entropy))
     assert 0.08 < cut < 0.2  # token 1 (p = 0.2) passes, token 2 (p = 0.08) does not
-    num_draft = torch.tensor([2, 1, 1])
     probs = p.expand(7, vocab).contiguous()
-    drafts = torch.tensor([1, 2, 2, 2])
+    drafts, greedy = [[1, 2], [2], [2]], [False, False, True]
     uniforms, noise = rs.draw_randomness([None] * 3, [2, 1, 1], vocab, "cpu")
-    out = rs.rejection_sample(probs, drafts, num_draft, None, None,
-                              torch.tensor([False, False, True]), uniforms, noise, mode="typical",
-                              posterior_threshold=0.09, posterior_alpha=alpha)
+    meta = rs.SpecDecodeMetadata.build(drafts, greedy, "cpu", mode="typical", posterior_threshold=0.09,
+                                       posterior_alpha=alpha)
+    out = verify(meta, probs, uniforms, noise)
     assert out.lossy is True
     assert out.num_accepted.tolist() == [1, 0, 0]  # greedy row 2: 2 is not the argmax
     assert out.output_token_ids[2].tolist() == [0, -1, -1]
-    strict = rs.rejection_sample(probs, drafts, num_draft, None, None,
-                                 torch.tensor([False, False, True]), uniforms, noise)
+    strict = verify(rs.SpecDecodeMetadata.build(drafts, greedy, "cpu"), probs, uniforms, noise)
     assert strict.lossy is False
 
 
 def test_rejects_bad_arguments():
-    num_draft = torch.tensor([1])
-    args = (torch.full((2, 4), 0.25), torch.tensor([1]), num_draft)
     with pytest.raises(ValueError, match="unknown rejection sample mode"):
-        rs.rejection_sample(*args, None, None, torch.tensor([True]), None, None, mode="fast")
+        rs.SpecDecodeMetadata.build([[1]], [True], "cpu", mode="fast")
+    with pytest.raises(ValueError, match="synthetic_acceptance_rate"):
+        rs.SpecDecodeMetadata.build([[1]], [True], "cpu", mode="synthetic", synthetic_acceptance_rate=1.5)
+    meta = rs.SpecDecodeMetadata.build([[1]], [True], "cpu")
     with pytest.raises(ValueError, match="go together"):
-        rs.rejection_sample(*args, torch.tensor([[1]]), None, torch.tensor([True]), None, None)
+        rs.SpecDecodeMetadata(**{**meta.__dict__, "draft_q_ids": torch.tensor([[1]])})
 
 
 def test_triton_is_optional(monkeypatch):

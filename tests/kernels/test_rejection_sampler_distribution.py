@@ -1,7 +1,8 @@
 """Statistical test: emitted tokens follow the target distribution (DESIGN §4).
 
-Each trial is one sequence; 250k trials go through ONE rejection_sample call. Every trial
-shares the same target rows p_1, p_2, p_3 (two draft positions and the bonus), at
+Each trial is one sequence; 250k trials go through ONE target-sampler + rejection_sample
+call (the engine's split: the bonus from the sampler, the rest from the rejection sampler).
+Every trial shares the same target rows p_1, p_2, p_3 (two draft positions and the bonus), at
 temperature 1 and after top-p 0.9. Checked with a chi-square test at a 1e-6
 false-positive rate: the first emitted token against p_1; the second, among trials that
 accepted the first draft, against p_2; the bonus, among trials that accepted both, against
@@ -16,7 +17,7 @@ import math
 import pytest
 import torch
 
-from specd.engine.sampler import apply_sampling_filters, make_generator
+from specd.engine.sampler import Sampler, SamplingMetadata, apply_sampling_filters, make_generator
 from specd.kernels import rejection_sampler as rs
 from specd.sampling import SamplingParams
 
@@ -50,7 +51,8 @@ def target_rows(top_p: float) -> torch.Tensor:
     """p_1, p_2, p_3 [3, V] from fixed logits, through the engine's sampling filters."""
     base = torch.tensor([0.45, 0.15, 0.10, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003])
     logits = torch.stack([base.log(), base.log().roll(3), base.log().flip(0)])
-    return apply_sampling_filters(logits, [SamplingParams(temperature=1.0, top_p=top_p)] * 3)
+    return apply_sampling_filters(logits, SamplingMetadata.build([SamplingParams(temperature=1.0, top_p=top_p)] * 3,
+                                                                 "cpu"))
 
 
 def sparse_q() -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +76,20 @@ def make_trials(p: torch.Tensor, sparse: bool, seed: int = 0) -> dict:
         drafts = torch.tensor([0, 3]).repeat(TRIALS)  # the top tokens of p_1 and p_2
         q_ids = q_probs = None
     uniforms, noise = rs.draw_randomness([None] * TRIALS, num_draft.tolist(), VOCAB, "cpu", g)
-    return dict(target_probs=p.repeat(TRIALS, 1), draft_token_ids=drafts, num_draft=num_draft,
-                cu_num_draft=rs.cu_num_draft_of(num_draft), draft_q_ids=q_ids, draft_q_probs=q_probs,
-                is_greedy=torch.zeros(TRIALS, dtype=torch.bool), uniforms=uniforms, noise=noise)
+    meta = rs.SpecDecodeMetadata(
+        draft_token_ids=drafts, num_draft=num_draft, cu_num_draft=rs.cu_num_draft_of(num_draft),
+        num_draft_host=num_draft.tolist(), max_num_draft=2, is_greedy=torch.zeros(TRIALS, dtype=torch.bool),
+        all_greedy=False, draft_q_ids=q_ids, draft_q_probs=q_probs)
+    return dict(meta=meta, target_probs=p.repeat(TRIALS, 1), draft_token_ids=drafts, draft_q_ids=q_ids,
+                draft_q_probs=q_probs, uniforms=uniforms, noise=noise)
+
+
+def sample(args: dict) -> rs.RejectionSampleOutput:
+    """The engine's split on [p_1, p_2, p_3] per trial: bonus from p_3 by the target sampler."""
+    meta, probs = args["meta"], args["target_probs"]
+    bonus = Sampler.sample_target(probs[2::3].argmax(-1), probs[2::3], meta.is_greedy, args["noise"])
+    draft_rows = probs.view(TRIALS, 3, VOCAB)[:, :2].reshape(-1, VOCAB)
+    return rs.rejection_sample(meta, draft_rows, draft_rows.argmax(-1), bonus, args["uniforms"], args["noise"])
 
 
 def check_positions(out: torch.Tensor, n_acc: torch.Tensor, p: torch.Tensor, min_samples: int) -> None:
@@ -92,8 +105,7 @@ def check_positions(out: torch.Tensor, n_acc: torch.Tensor, p: torch.Tensor, min
 @pytest.mark.parametrize("sparse", [False, True], ids=["one-hot-q", "sparse-q"])
 def test_emitted_tokens_follow_the_target(top_p, sparse):
     p = target_rows(top_p)
-    out = rs.rejection_sample(**make_trials(p, sparse, seed=int(top_p * 10) + sparse), max_num_draft=2,
-                              all_greedy=False)
+    out = sample(make_trials(p, sparse, seed=int(top_p * 10) + sparse))
     assert out.output_token_ids.shape == (TRIALS, 3)
     # >= 10^5 samples for the first and second emitted tokens; the bonus gets what reaches it.
     check_positions(out.output_token_ids, out.num_accepted, p, min_samples=[100_000, 100_000, 20_000])
@@ -128,7 +140,7 @@ def test_broken_samplers_fail_the_check(sparse, bug):
     stat, critical = chi2_statistic(broken_first_token(args, bug), p[0])
     assert stat > critical, (stat, critical)
     # ... while the real sampler passes on exactly these inputs.
-    out = rs.rejection_sample(**args, max_num_draft=2, all_greedy=False)
+    out = sample(args)
     assert chi2_statistic(out.output_token_ids[:, 0], p[0])[0] < critical
 
 

@@ -4,21 +4,18 @@ from __future__ import annotations
 import pytest
 
 from specd.engine.block_manager import BlockManager
-from specd.engine.scheduler import Scheduler
+from specd.engine.scheduler import Drafts, Scheduler
 from specd.engine.sequence import Sequence, SeqStatus
 from specd.sampling import SamplingParams
 
 
-def _seq(n: int) -> Sequence:
-    return Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=100))
+def _seq(n: int, **params) -> Sequence:
+    return Sequence(list(range(1, n + 1)), SamplingParams(**{"max_tokens": 100, **params}))
 
 
 def _run_step(sched: Scheduler, batch) -> None:
-    """What the engine does after a forward: mark computed, append a token where sampled."""
-    for e in batch:
-        e.seq.num_computed_tokens += e.num_new_tokens
-        if e.num_logits:
-            e.seq.output_token_ids.append(7)
+    """What the engine does after a forward: commit one sampled token (7) per sampled entry."""
+    sched.postprocess(batch, [[7] for e in batch if e.num_logits])
 
 
 def test_block_manager_allocate_truncate_free():
@@ -96,3 +93,80 @@ def test_abort_waiting_and_running_frees_everything():
     sched.finish(a, "abort"), sched.finish(b, "abort")
     assert not sched.has_unfinished() and bm.num_free_blocks == 10
     assert a.finish_reason == b.finish_reason == "abort"
+
+
+def _decoding(sched: Scheduler, *seqs: Sequence):
+    """Prefill seqs (one step), then schedule the decode step."""
+    for s in seqs:
+        sched.add(s)
+    _run_step(sched, sched.schedule())
+    return sched.schedule()
+
+
+def test_attach_drafts_allocates_their_blocks_or_leaves_the_entry_plain():
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sched = Scheduler(bm, 8, 100)
+    a, b = _seq(7), _seq(3)
+    batch = _decoding(sched, a, b)  # a: 8 tokens (2 blocks), b: 4 tokens (1 block); 2 free
+    sched.attach_drafts(batch, {a.seq_id: Drafts([5, 6, 7], drafter="x"), b.seq_id: Drafts([9] * 8)})
+    ea, eb = batch
+    assert (ea.num_new_tokens, ea.num_logits, ea.draft_token_ids, ea.drafts.drafter) == (4, 4, [5, 6, 7], "x")
+    assert len(a.block_table) == 3  # positions 7..10 need a third block
+    assert (eb.num_new_tokens, eb.num_logits, eb.drafts, eb.draft_token_ids) == (1, 1, None, [])  # 3 blocks > 1 free
+    assert len(b.block_table) == 1 and bm.num_free_blocks == 1
+
+
+def test_postprocess_commits_accepted_drafts_and_rolls_back_the_rest():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(bm, 8, 100)
+    a = _seq(7)
+    batch = _decoding(sched, a)  # 8 tokens, 7 computed
+    sched.attach_drafts(batch, {a.seq_id: Drafts([5, 6, 8, 9])})  # positions 7..11: 3 blocks
+    assert len(a.block_table) == 3
+    recorded = []
+
+    class Recorder:
+        def record(self, seq, row, token):
+            recorded.append((row, token))
+
+    assert sched.postprocess(batch, [[5, 4]], Recorder()) == []  # 1 accepted, then a recovered token
+    assert a.output_token_ids == [7, 5, 4] and a.num_computed_tokens == 9  # last token + 1 draft
+    assert len(a.block_table) == 3 and bm.num_free_blocks == 7  # 9 tokens: still 3 blocks
+    assert recorded == [(0, 5), (1, 4)]
+    batch = sched.schedule()
+    sched.attach_drafts(batch, {a.seq_id: Drafts([1, 2, 3, 4])})  # positions 9..13: 4 blocks
+    assert len(a.block_table) == 4
+    sched.postprocess(batch, [[6]])  # all rejected: the 4th block goes back
+    assert a.num_computed_tokens == 10 and len(a.block_table) == 3 and bm.num_free_blocks == 7
+
+
+def test_postprocess_stops_inside_accepted_drafts_and_at_the_caps():
+    eos = 2
+    sched = Scheduler(BlockManager(50, 4), 8, 100, eos_token_ids=[eos], max_model_len=20)
+    a, b, c, d = _seq(5), _seq(5, stop_token_ids=[9]), _seq(5, max_tokens=3), _seq(17, ignore_eos=True)
+    batch = _decoding(sched, a, b, c, d)
+    sched.attach_drafts(batch, {s.seq_id: Drafts([4, 4, 4]) for s in (a, b, c, d)})
+    finished = sched.postprocess(batch, [[4, eos, 4, 4], [9, 4, 4, 4], [4, 4, 4, 4], [eos, 4, 4, 4]])
+    assert finished == [a, b, c, d]
+    assert (a.output_token_ids, a.finish_reason) == ([7, 4, eos], "stop")  # eos ends it right there
+    assert (b.output_token_ids, b.finish_reason) == ([7, 9], "stop")  # a stop token id
+    assert (c.output_token_ids, c.finish_reason) == ([7, 4, 4], "length")  # max_tokens 3
+    assert (d.output_token_ids, d.finish_reason) == ([7, eos, 4], "length")  # ignore_eos; max_model_len 20
+    assert not sched.has_unfinished() and sched.blocks.num_free_blocks == 50
+
+
+def test_postprocess_runs_the_stop_checker():
+    class StopAfter:
+        def __init__(self, token):
+            self.token = token
+
+        def add(self, token):
+            return token == self.token
+
+    sched = Scheduler(BlockManager(50, 4), 8, 100)
+    a = _seq(5)
+    a.stop_checker = StopAfter(6)
+    batch = _decoding(sched, a)
+    sched.attach_drafts(batch, {a.seq_id: Drafts([5, 6])})
+    assert sched.postprocess(batch, [[5, 6, 8]]) == [a]
+    assert a.output_token_ids == [7, 5, 6] and a.finish_reason == "stop"

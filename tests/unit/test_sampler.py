@@ -1,0 +1,90 @@
+"""The step's sampler alone: randomness drawn once and clamped, the target/rejection split."""
+from __future__ import annotations
+
+import torch
+
+from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
+from specd.kernels import rejection_sampler as rs
+from specd.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+V = 8
+FILTERED = 5  # removed by top-k 2 below
+
+
+def logits_rows(n: int) -> torch.Tensor:
+    """[n, V]: tokens 0 and 1 most likely (kept by top-k 2), FILTERED third."""
+    row = torch.tensor([2.0, 1.5, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    return row.expand(n, V).contiguous()
+
+
+def zero_noise_on_filtered(monkeypatch):
+    """Every Exp(1) draw gives 1, except exactly 0 on the FILTERED token."""
+    def fake(self, lambd=1.0, *, generator=None):
+        self.fill_(1.0)
+        self[..., FILTERED] = 0.0
+        return self
+    monkeypatch.setattr(torch.Tensor, "exponential_", fake)
+
+
+def test_zero_noise_on_a_filtered_token_never_emits_it(monkeypatch):
+    zero_noise_on_filtered(monkeypatch)
+    params = SamplingParams(temperature=1.0, top_k=2)
+    probs = torch.tensor([[0.6, 0.4, 0, 0, 0, 0.0, 0, 0]])
+    # Unclamped, p / E = 0 / 0 = NaN on the filtered token, and argmax picks NaN.
+    assert rs.exponential_race(probs, torch.empty(1, V).exponential_())[0] == FILTERED
+    _, noise = rs.draw_randomness([None, make_generator(1, CPU)], [0, 0], V, CPU)
+    assert bool((noise > 0).all())
+    sampler = Sampler(CPU)
+    # Plain rows (one unseeded, one seeded) and a verify row whose draft is rejected
+    # (draft 7 has p = 0), so the recovered draw races the residual with E = 0 on FILTERED.
+    meta = SamplingMetadata.build([params] * 3, CPU, [None, make_generator(3, CPU), None],
+                                  drafts=[[], [], [7]])
+    for _ in range(3):
+        out = sampler(logits_rows(4), meta)
+        assert all(FILTERED not in tokens for tokens in out.token_ids), out
+        assert out.token_ids[2][0] in (0, 1) and out.num_accepted == [0, 0, 0]
+
+
+def test_a_step_without_drafts_consumes_what_a_plain_step_does():
+    params = SamplingParams(temperature=0.8, seed=7)
+    gen = make_generator(7, CPU)
+    Sampler(CPU)(logits_rows(1), SamplingMetadata.build([params], CPU, [gen]))
+    plain = make_generator(7, CPU)
+    torch.empty(V).exponential_(generator=plain)  # one noise row, no uniforms
+    assert torch.equal(gen.get_state(), plain.get_state())
+    # With k drafts: k uniforms first, then the one noise row, shared by recovered and bonus.
+    gen = make_generator(7, CPU)
+    Sampler(CPU)(logits_rows(3), SamplingMetadata.build([params], CPU, [gen], drafts=[[0, 1]]))
+    spec = make_generator(7, CPU)
+    torch.rand(2, generator=spec)
+    torch.empty(V).exponential_(generator=spec)
+    assert torch.equal(gen.get_state(), spec.get_state())
+
+
+def test_greedy_rows_draw_nothing():
+    sampler = Sampler(CPU)
+    before = sampler.default_generator.get_state()
+    gen = make_generator(1, CPU)
+    seeded_before = gen.get_state()
+    out = sampler(logits_rows(4), SamplingMetadata.build([SamplingParams(temperature=0.0)] * 2, CPU, [None, gen],
+                                                         drafts=[[0, 0], []]))
+    assert out.token_ids == [[0, 0, 0], [0]] and out.num_accepted == [2, 0]  # argmax is 0 everywhere
+    assert torch.equal(sampler.default_generator.get_state(), before)
+    assert torch.equal(gen.get_state(), seeded_before)
+
+
+def test_seeded_row_is_independent_of_the_batch():
+    params = SamplingParams(temperature=1.0, seed=11)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+
+    def tokens(others: int, draws_before: int) -> list[int]:
+        sampler = Sampler(CPU, seed=draws_before)
+        other = [SamplingParams(temperature=1.0)] * others
+        meta = SamplingMetadata.build(other + [params], CPU, [None] * others + [make_generator(11, CPU)],
+                                      drafts=[[]] * others + [[3, 4]])
+        rows = torch.cat([torch.randn(others, 50), logits])
+        return sampler(rows, meta).token_ids[-1]
+
+    alone = tokens(0, 0)
+    assert tokens(3, 1) == alone and tokens(5, 2) == alone
