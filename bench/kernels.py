@@ -40,34 +40,41 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_batch(batch: int, vocab: int, k: int, sparse: bool, device: str, seed: int = 0) -> dict:
+def make_batch(batch: int, vocab: int, k: int, sparse: bool, device: str, seed: int = 0) -> tuple:
+    """(metadata, positional args) of one rejection_sample call over a random ragged batch."""
     g = torch.Generator().manual_seed(seed)
-    num_draft = torch.randint(0, k + 1, (batch,), generator=g)
-    n = int(num_draft.sum())
-    probs = (torch.randn(n + batch, vocab, generator=g) * 4).softmax(-1)
-    drafts = torch.multinomial(probs[:n] if n else probs[:1], 1, generator=g)[:, 0][:n]
-    q_ids = q_probs = None
-    if sparse:
-        q_ids = torch.cat([drafts[:, None], torch.randint(0, vocab, (n, 7), generator=g)], 1)
-        q_ids[:, 1:][q_ids[:, 1:] == drafts[:, None]] = -1  # keep ids unique
-        q_probs = torch.rand(n, 8, generator=g) * (q_ids >= 0)
-        q_probs = q_probs / q_probs.sum(-1, keepdim=True)
-    uniforms, noise = rs.draw_randomness([None] * batch, num_draft.tolist(), vocab, "cpu", g)
-    args = dict(target_probs=probs, target_argmax=probs.argmax(-1), draft_token_ids=drafts,
-                num_draft=num_draft, cu_num_draft=rs.cu_num_draft_of(num_draft), draft_q_ids=q_ids,
-                draft_q_probs=q_probs, is_greedy=torch.rand(batch, generator=g) < 0.3,
-                uniforms=uniforms, noise=noise, max_num_draft=k, all_greedy=False)
-    return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in args.items()}
+    num_draft = torch.randint(0, k + 1, (batch,), generator=g).tolist()
+    n = sum(num_draft)
+    probs = (torch.randn(n + batch, vocab, generator=g) * 4).softmax(-1)  # draft rows, then one per sequence
+    drafts = torch.multinomial(probs[:n] if n else probs[:1], 1, generator=g)[:, 0][:n].tolist()
+    per_seq = [drafts[sum(num_draft[:b]):sum(num_draft[:b + 1])] for b in range(batch)]
+    draft_q = None
+    if sparse:  # the draft plus 7 other ids, random mass
+        draft_q = []
+        for seq in per_seq:
+            qs = []
+            for t in seq:
+                others = [i for i in torch.randint(0, vocab, (7,), generator=g).tolist() if i != t]
+                ids = [t] + list(dict.fromkeys(others))
+                w = torch.rand(len(ids), generator=g)
+                qs.append((ids, (w / w.sum()).tolist()))
+            draft_q.append(qs or None)
+    is_greedy = (torch.rand(batch, generator=g) < 0.3).tolist()
+    meta = rs.SpecDecodeMetadata.build(per_seq, is_greedy, device, draft_q=draft_q)
+    uniforms, noise = rs.draw_randomness([None] * batch, num_draft, vocab, "cpu", g)
+    bonus = (probs[n:] / noise).argmax(-1)
+    args = (probs[:n], probs[:n].argmax(-1), bonus, uniforms, noise)
+    return meta, tuple(a.to(device) for a in args)
 
 
-def timed(fn, args: dict, iters: int, warmup: int, device: str) -> float:
+def timed(fn, args: tuple, iters: int, warmup: int, device: str) -> float:
     for _ in range(warmup):
-        fn(**args)
+        fn(*args)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        fn(**args)
+        fn(*args)
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e6  # microseconds per call
@@ -82,12 +89,13 @@ def main(argv=None) -> None:
     rows = []
     for batch in [int(b) for b in a.batch_sizes.split(",")]:
         for sparse in (False, True):
-            args = make_batch(batch, a.vocab, a.k, sparse, a.device)
+            meta, tensors = make_batch(batch, a.vocab, a.k, sparse, a.device)
+            args = (meta, *tensors)
             row = {"batch": batch, "q": "sparse top-8" if sparse else "one-hot"}
             for name, fn in impls.items():
                 row[f"{name}_us"] = round(timed(fn, args, a.iters, a.warmup, a.device), 1)
             if "triton" in impls:
-                ref, tri = impls["reference"](**args), impls["triton"](**args)
+                ref, tri = impls["reference"](*args), impls["triton"](*args)
                 row["equal"] = bool(torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1]))
             rows.append(row)
             print(row, flush=True)
