@@ -26,6 +26,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     enable_chunked_prefill: bool = True
     seed: int = 0
+    # A token's logits do not depend on the rest of the step (row-chunked matmuls, float32
+    # attention), so greedy speculation gives the plain tokens in bf16 too; checked at load.
+    batch_invariant: bool = True
 
 
 def format_validation_error(err: Exception) -> str:

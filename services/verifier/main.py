@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="let a token's logits depend on the rest of the step (faster on some machines; in bf16, "
+                        "greedy output with speculation may then differ from plain decoding)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
     p.add_argument("--log-level", default="info")
     auth.add_arguments(p, server=True, client=True)  # --tls-ca: verify drafters' certificates
@@ -80,7 +83,7 @@ def run(args) -> int:
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          seed=args.seed)
+                          seed=args.seed, batch_invariant=args.batch_invariant)
     spec = None if args.no_speculation else (SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig())
     startup = [(name, address, False) for name, address in args.drafter] + [
         (name, address, True) for name, address in args.trusted_drafter]

@@ -73,6 +73,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
     if meta.token_seq is not None and _triton_requested():
         from specd.kernels.paged_attention_triton import paged_attention_triton
@@ -93,8 +94,46 @@ def paged_attention(
         qp = q.view(B, Q, H, D)
     else:
         qp = q.new_zeros(B * Q, H, D).index_copy_(0, meta.query_index, q).view(B, Q, H, D)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k, v, attn_mask=meta.mask(window), scale=scale, enable_gqa=H != hkv
-    )  # [B, H, Q, D]
+    if invariant:
+        out = invariant_attention(qp.transpose(1, 2), k, v, meta.mask(window), scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k, v, attn_mask=meta.mask(window), scale=scale, enable_gqa=H != hkv
+        )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(B * Q, H, D)
     return out if meta.query_index is None else out.index_select(0, meta.query_index)
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """Attention whose every row is the same whatever else is computed with it.
+
+    q [B, H, Q, D]; k, v [B, Hkv, C, D]; mask [B, 1, Q, C] or None -> [B, H, Q, D] in q's dtype.
+    Two float32 matmuls and a row-local softmax: each output row's reductions (over D, then
+    over the keys) run in one fixed order whatever Q, the batch or the padding (masked keys add
+    exact zeros), unlike SDPA's fused CPU kernel, whose splits follow the query count."""
+    B, H, Q, D = q.shape
+    hkv = k.shape[1]
+    group = H // hkv
+    scores = torch.matmul(q.float().reshape(B, hkv, group * Q, D), k.float().transpose(-1, -2)) * scale
+    scores = scores.view(B, hkv, group, Q, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(B, 1, 1, Q, -1), float("-inf"))
+    probs = scores.softmax(-1).view(B, hkv, group * Q, -1)
+    return torch.matmul(probs, v.float()).view(B, H, Q, D).to(q.dtype)
+
+
+def attention_invariance_failures(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Whether invariant_attention gives a query row the same bits alone (its own context)
+    as among others in a verify block over a longer, masked context, on this machine."""
+    g = torch.Generator().manual_seed(0)
+    C, Q, D = 77, 5, 64
+    q, k, v = (torch.randn(1, n, length, D, generator=g).to(device, dtype) for n, length in ((6, Q), (2, C), (2, C)))
+    mask = (torch.arange(C)[None, :] <= torch.arange(C - Q, C)[:, None])[None, None].to(device)
+    block = invariant_attention(q, k, v, mask, D ** -0.5)
+    for i in range(Q):
+        c = C - Q + i + 1
+        alone = invariant_attention(q[:, :, i:i + 1], k[:, :, :c], v[:, :, :c], None, D ** -0.5)
+        if not torch.equal(alone, block[:, :, i:i + 1]):
+            return [f"attention row {i} of {Q} differs from the same row alone"]
+    return []

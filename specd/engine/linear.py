@@ -23,43 +23,74 @@ def prepacked_bf16_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (CPU, bfloat16)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows
         # The row-count hint picks the blocking; 1 (decode) is also the fastest at 5 and 32.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _by_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], ""),
+                        x, self.max_rows)
 
 
 class PlainLinear(nn.Module):
-    """F.linear over a weight that another module owns (the tied head reads the embeddings)."""
+    """F.linear; the weight may belong to another module (the tied head reads the embeddings)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None):
         super().__init__()
-        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias, self.max_rows = weight, bias, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _by_rows(lambda rows: F.linear(rows, self.weight, self.bias), x, self.max_rows)
 
 
-def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """The fastest exact matmul module for this weight's device and dtype."""
+def _by_rows(fn, x: torch.Tensor, max_rows: int | None) -> torch.Tensor:
+    # Batch-invariant mode: no call sees more than max_rows rows, the range in which
+    # check_row_invariance showed the kernel gives each row the same bits at any row count
+    # (oneDNN changes its reduction blocking for large M on some thread counts).
+    if max_rows is None or x.shape[0] <= max_rows:
+        return fn(x)
+    return torch.cat([fn(x[i:i + max_rows]) for i in range(0, x.shape[0], max_rows)])
+
+
+def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None) -> nn.Module:
+    """The fastest matmul module for this weight's device and dtype."""
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
     if prepacked_bf16_available(weight.device, weight.dtype):
-        return PrepackedLinear(weight, bias)
-    if bias is None:
-        return PlainLinear(weight.detach())
-    linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
-    linear.weight.data, linear.bias.data = weight.detach(), bias.detach()
-    return linear
+        return PrepackedLinear(weight, bias, max_rows)
+    return PlainLinear(weight, bias, max_rows)
 
 
-def prepack_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear in model for its prepacked form where that path applies."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and prepacked_bf16_available(child.weight.device, child.weight.dtype):
-                setattr(module, child_name, PrepackedLinear(child.weight, child.bias))
+def adopt_linears(model: nn.Module, max_rows: int | None = None) -> None:
+    """Swap every nn.Linear in model for fast_linear's module."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, fast_linear(child.weight, child.bias, max_rows))
+
+
+def row_invariance_failures(model: nn.Module, max_rows: int) -> list[str]:
+    """Linear shapes whose rows change with the number of rows computed together (1 to max_rows).
+
+    Batch invariance is a property of the kernel on this machine, thread count and dtype, so
+    the engine measures it at load instead of assuming it."""
+    failures, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, (PrepackedLinear, PlainLinear)) or (module.in_features, module.out_features) in seen:
+            continue
+        seen.add((module.in_features, module.out_features))
+        ref_param = module.packed if isinstance(module, PrepackedLinear) else module.weight
+        g = torch.Generator().manual_seed(len(seen))
+        x = torch.randn(max_rows, module.in_features, generator=g).to(ref_param.device, ref_param.dtype)
+        full = module.forward(x)
+        for m in sorted({1, 2, 5, max_rows // 2 + 1}):
+            if m <= max_rows and not torch.equal(module.forward(x[:m]), full[:m]):
+                failures.append(f"{module.out_features}x{module.in_features} at {m} vs {max_rows} rows")
+                break
+    return failures

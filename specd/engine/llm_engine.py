@@ -53,7 +53,8 @@ class LLMEngine:
         self.device = default_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.arch, self.device)
         self.max_model_len = self._max_model_len(config)
-        self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len,
+                                config.batch_invariant)
         num_blocks = self._num_kv_blocks(config)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         batched = config.max_num_batched_tokens or (

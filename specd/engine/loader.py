@@ -100,7 +100,7 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> to
 
 
 def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+               max_positions: int, batch_invariant: bool = True) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(arch, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -125,7 +125,7 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
         if not ids or not all(0 <= i < arch.vocab_size for i in ids):
             raise ValueError(f"{draft_vocab}: ids must be a non-empty list within [0, {arch.vocab_size})")
         head_ids = torch.tensor(ids, dtype=torch.long)
-    model.prepare(head_ids)
+    model.prepare(head_ids, batch_invariant)
     return model.eval()
 
 

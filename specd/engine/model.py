@@ -10,9 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
-from specd.engine.linear import fast_linear, prepack_linears
+import logging
+
+from specd.engine.attention import attention_invariance_failures
+from specd.engine.linear import adopt_linears, fast_linear, row_invariance_failures
 from specd.engine.model_config import ModelArchConfig
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
+
+
+log = logging.getLogger(__name__)
+# Batch-invariant mode computes at most this many rows per matmul call (see linear._by_rows).
+INVARIANT_MAX_ROWS = 128
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +42,7 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale = window, self.d**-0.5
+        self.invariant = False  # batch-invariant attention (CausalLM.prepare)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -50,7 +59,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.h], qk[:, self.h:]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.invariant)
         return self.o_proj.forward(out.reshape(T, self.h * self.d))
 
 
@@ -101,15 +110,36 @@ class CausalLM(nn.Module):
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
 
-    def prepare(self, head_ids: torch.Tensor | None = None) -> None:
-        """After the weights are loaded: pick the matmul path (specd/engine/linear.py) and build
-        the output head, over `head_ids` only when given (a drafter's draft vocabulary)."""
+    def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> bool:
+        """After the weights are loaded: pick the matmul path (specd/engine/linear.py), build the
+        output head (over `head_ids` only when given: a drafter's draft vocabulary), and set up
+        batch-invariant mode, in which a token's logits do not depend on what else the step
+        computes (greedy speculation then gives the plain tokens in bf16 too). The mode is used
+        only where this machine's kernels pass the invariance check; returns whether it is on."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if head_ids is not None:
             self.head_ids = head_ids.to(weight.device)
-            weight = weight.detach().index_select(0, self.head_ids).contiguous()
-        self.head = fast_linear(weight)
-        prepack_linears(self.model)
+            weight = weight.index_select(0, self.head_ids).contiguous()
+        max_rows = INVARIANT_MAX_ROWS if batch_invariant else None
+        self.head = fast_linear(weight, max_rows=max_rows)
+        adopt_linears(self.model, max_rows)
+        if batch_invariant:
+            failures = (row_invariance_failures(self, max_rows)
+                        + attention_invariance_failures(weight.device, weight.dtype))
+            if failures:
+                log.warning("batch-invariant mode is off: on this machine %s; greedy output with "
+                            "speculation may differ from plain decoding in low precision", "; ".join(failures))
+                self.set_batch_invariant(False)
+                return False
+        self.set_batch_invariant(batch_invariant)
+        return batch_invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.invariant = on
+            elif hasattr(module, "max_rows"):
+                module.max_rows = INVARIANT_MAX_ROWS if on else None
 
     def forward(
         self,

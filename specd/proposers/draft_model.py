@@ -32,14 +32,16 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class DraftModelProposer:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 sample_method: str = "greedy", top_k: int = 16, seed: int | None = None):
+                 sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
+                 batch_invariant: bool = True):
         model_dir = resolve_model_dir(model)
         self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
         self.dtype = resolve_dtype(dtype, self.arch, self.device)
         self.max_model_len = min(max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        self.model = load_model(model_dir, self.arch, self.dtype, self.device, self.max_model_len)
+        # Batch-invariant like the target, so a greedy draft does not depend on the drafter's batch.
+        self.model = load_model(model_dir, self.arch, self.dtype, self.device, self.max_model_len, batch_invariant)
         per_seq = -(-self.max_model_len // block_size)
         num_blocks = num_blocks or per_seq * 64
         self.blocks = BlockManager(num_blocks, block_size)
