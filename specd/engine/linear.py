@@ -7,8 +7,12 @@ bfloat16 on CPU: oneDNN with each weight reordered once, at load, into its block
 and 32 rows, with results bit-identical to F.linear there; equal speed at 256 rows.
 float32: F.linear (MKL) reads 25 GB/s there and a prepacked MKL weight 23 GB/s, so float32
 and every other device keep F.linear. bench/engine.py measures both paths side by side.
+In batch-invariant mode (the default) a GPU uses the Triton matmul of
+kernels/matmul_invariant_triton.py, whose reduction order does not depend on the row count.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +53,28 @@ class PlainLinear(nn.Module):
         return _by_rows(lambda rows: F.linear(rows, self.weight, self.bias), x, self.max_rows)
 
 
+class TritonInvariantLinear(PlainLinear):
+    """Batch-invariant mode on a GPU: kernels/matmul_invariant_triton.py (fixed tiles, no
+    split-K), where cuBLAS may change a row's reduction order with the row count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is None:  # the mode is off
+            return F.linear(x, self.weight, self.bias)
+        from specd.kernels.matmul_invariant_triton import matmul_invariant
+
+        return matmul_invariant(x, self.weight, self.bias)
+
+
+def _triton_matmul_wanted(device: torch.device) -> bool:
+    if device.type != "cuda" and os.environ.get("SPECD_FORCE_TRITON") != "1":  # forced: tests, interpreter
+        return False
+    try:
+        import specd.kernels.matmul_invariant_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _by_rows(fn, x: torch.Tensor, max_rows: int | None) -> torch.Tensor:
     # Batch-invariant mode: no call sees more than max_rows rows, the range in which
     # check_row_invariance showed the kernel gives each row the same bits at any row count
@@ -64,6 +90,8 @@ def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows
     bias = None if bias is None else bias.detach()
     if prepacked_bf16_available(weight.device, weight.dtype):
         return PrepackedLinear(weight, bias, max_rows)
+    if max_rows is not None and _triton_matmul_wanted(weight.device):
+        return TritonInvariantLinear(weight, bias, max_rows)
     return PlainLinear(weight, bias, max_rows)
 
 
