@@ -5,14 +5,13 @@ loader splits checkpoint tensors into the fused parameters.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
-import logging
-
-from specd.engine.attention import attention_invariance_failures
+from specd.engine.attention import AttentionMetadata, attention_invariance_failures, paged_attention, write_kv
 from specd.engine.linear import adopt_linears, fast_linear, row_invariance_failures
 from specd.engine.model_config import ModelArchConfig
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
