@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         cost.append({"batch": batch, "prompts": len(ps), "tok_s_on": on, "tok_s_off": off, "ratio": on / off,
                      "runs_on": runs[True], "runs_off": runs[False]})
         print(f"cost batch {batch}: on {on:.1f} tok/s, off {off:.1f} tok/s, {on / off:.3f}x", file=sys.stderr)
-    info["load_avg_end"] = __import__("os").getloadavg()[0]
+    info["load_avg_end"] = os.getloadavg()[0]
     result = {"machine": info, "command": " ".join(["python", "bench/exact_bf16.py", *(argv or sys.argv[1:])]),
               "settings": vars(args) | {"k": 4, "dtype": "bfloat16", "workload": "chat"},
               "rows": rows, "cost": cost, "elapsed_s": time.monotonic() - t0}

@@ -42,46 +42,37 @@ class ModelRunner:
             context_lens.append(start + n)
         B, T, N = len(batch), len(token_ids), len(logits_idx)
         width = -(-max(context_lens) // self.block_size)
-        tables = [t for e in batch for t in (e.seq.block_table[:width] + [0] * (width - len(e.seq.block_table[:width])))]
+        tables = [t for e in batch for t in e.seq.block_table[:width] + [0] * (width - len(e.seq.block_table[:width]))]
         # The step's integer metadata crosses to the device as one tensor, in one copy.
         host = torch.tensor(token_ids + query_lens + context_lens + logits_idx + tables, dtype=torch.long)
         tok, qlens, ctx, logits_rows, flat_tables = host.to(self.device, non_blocking=True).split([T, B, B, N, B * width])
         block_tables = flat_tables.view(B, width)
-        # Per token: its sequence and absolute position, then its cache slot, all vectorised.
+        # Per token: its sequence, its row within the sequence's query, its absolute position
+        # and its cache slot, all vectorised (no per-token Python, no host sync).
         seq_of = torch.repeat_interleave(torch.arange(B, device=self.device), qlens, output_size=T)
-        first = torch.cumsum(qlens, 0) - qlens  # [B] first flat row of each sequence
-        positions = (ctx - qlens)[seq_of] + torch.arange(T, device=self.device) - first[seq_of]
+        row = torch.arange(T, device=self.device) - (torch.cumsum(qlens, 0) - qlens)[seq_of]
+        positions = (ctx - qlens)[seq_of] + row
         slots = block_tables[seq_of, positions // self.block_size] * self.block_size + positions % self.block_size
-        meta = self._metadata(block_tables, qlens, ctx, query_lens, context_lens, slots, batch)
-        meta.token_seq, meta.token_pos = seq_of, positions
-        return self.model(tok, positions, meta, self.kv_caches, logits_rows)
-
-    def _metadata(self, block_tables, qlens, ctx, query_lens, context_lens, slots, batch) -> AttentionMetadata:
-        dev = self.device
         max_q, max_c = max(query_lens), max(context_lens)
-        # Absolute position of every padded query row: context_len - query_len + row.
-        positions_2d = (ctx - qlens)[:, None] + torch.arange(max_q, device=dev)[None, :]
-        query_index = None
-        if any(q != max_q for q in query_lens):
-            B = len(query_lens)
-            rows = torch.arange(max_q, device=dev).repeat(B).view(B, max_q)
-            query_index = (rows + torch.arange(B, device=dev)[:, None] * max_q)[rows < qlens[:, None]]
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=block_tables,
             query_lens=query_lens,
             context_lens=context_lens,
-            query_index=query_index,
+            # Each token's place in the padded [B * max_q] layout; None when nothing is padded.
+            query_index=None if all(q == max_q for q in query_lens) else seq_of * max_q + row,
             max_query_len=max_q,
             max_context_len=max_c,
-            positions_2d=positions_2d,
+            # Absolute position of every padded query row: context_len - query_len + row.
+            positions_2d=(ctx - qlens)[:, None] + torch.arange(max_q, device=self.device)[None, :],
             contiguous_start=self._contiguous_start(batch, max_c),
+            token_seq=seq_of,
+            token_pos=positions,
         )
+        return self.model(tok, positions, meta, self.kv_caches, logits_rows)
 
     def _contiguous_start(self, batch: list[ScheduledSeq], context_len: int) -> int | None:
         if len(batch) != 1:
             return None
         table = batch[0].seq.block_table[: -(-context_len // self.block_size)]
-        if table[-1] - table[0] != len(table) - 1 or table != list(range(table[0], table[-1] + 1)):
-            return None
-        return table[0] * self.block_size
+        return table[0] * self.block_size if table == list(range(table[0], table[0] + len(table))) else None
