@@ -139,6 +139,9 @@ def problems(resources: list[dict]) -> list[str]:
                 for h in handlers[:1]:
                     if h != "exec" and _port(c, probe[h]["port"]) is None:
                         out.append(f"{where}: {kind} port {probe[h]['port']} is no container port")
+                    if h == "exec":  # the script and the files it is given must be mounted
+                        for arg in probe["exec"]["command"]:
+                            out += _file_problems(f"{where}: {kind}", arg, c, volumes, secrets, configmaps)
             ns, error = parse_cli(c.get("args", []))
             if ns is None:
                 out.append(f"{where}: specd rejects its arguments: {error}")
@@ -148,20 +151,9 @@ def problems(resources: list[dict]) -> list[str]:
                 out.append(f"{where}: `specd {ns.command}` in image {c['image']}")
             for flag in FILE_FLAGS:
                 path = getattr(ns, flag, None)
-                if path is None:
-                    continue
-                m = _mount_of(c, path)
-                vol = volumes.get(m["name"]) if m else None
-                source = vol and (vol.get("secret") or vol.get("configMap"))
-                if not source:
-                    out.append(f"{where}: --{flag.replace('_', '-')} {path} is on no Secret/ConfigMap mount")
-                    continue
-                key = posixpath.relpath(path, m["mountPath"])
-                items = {i["path"]: i["key"] for i in source.get("items", [])}
-                key = items.get(key, key if not items else None)
-                keys = secrets.get(source.get("secretName"), configmaps.get(source.get("name"), set()))
-                if key not in keys:
-                    out.append(f"{where}: --{flag.replace('_', '-')} {path}: no such key in its Secret/ConfigMap")
+                if path is not None:
+                    out += _file_problems(f"{where}: --{flag.replace('_', '-')}", path, c, volumes, secrets,
+                                          configmaps, required=True)
             if ns.command in ("verifier", "drafter", "gateway"):
                 if ns.host != "0.0.0.0":
                     out.append(f"{where}: listens on {ns.host}, unreachable from other pods")
@@ -209,6 +201,21 @@ def problems(resources: list[dict]) -> list[str]:
             if m is None or m["name"] not in pod["fetched"]:
                 out.append(f"{where}: the verifier's model {model} (its tokenizer) is not fetched into this pod")
     return out
+
+
+def _file_problems(what: str, path: str, container: dict, volumes: dict, secrets: dict, configmaps: dict,
+                   required: bool = False) -> list[str]:
+    """path must be a key of the Secret/ConfigMap mounted over it (required: and be on such a mount)."""
+    m = _mount_of(container, path) if path.startswith("/") else None
+    vol = volumes.get(m["name"]) if m else None
+    source = vol and (vol.get("secret") or vol.get("configMap"))
+    if not source:
+        return [f"{what} {path} is on no Secret/ConfigMap mount"] if required else []
+    key = posixpath.relpath(path, m["mountPath"])
+    items = {i["path"]: i["key"] for i in source.get("items", [])}
+    key = items.get(key, key if not items else None)
+    keys = secrets.get(source.get("secretName"), configmaps.get(source.get("name"), set()))
+    return [] if key in keys else [f"{what} {path}: no such key in its Secret/ConfigMap"]
 
 
 def _address_problems(where: str, what: str, address: str, services: dict) -> list[str]:
@@ -331,6 +338,14 @@ def test_a_broken_copy_fails_the_cross_checks(name):
     break_it(resources)
     found = problems(resources)
     assert any(expected in p for p in found), found
+
+
+def test_a_broken_tls_probe_fails_the_cross_checks():
+    resources = copy.deepcopy(build(K8S / "overlays" / "tls"))
+    probe = _verifier(resources)["readinessProbe"]
+    assert "grpc" not in probe, "the plaintext probe is replaced, not kept beside the exec one"
+    probe["exec"]["command"][1] = "/etc/specd/probe/grpc_health.py"
+    assert any("no such key" in p for p in problems(resources))
 
 
 def test_a_patch_that_misses_its_target_fails(tmp_path):
