@@ -85,11 +85,11 @@ def paged_attention(
     hkv = k_cache.shape[2]
     if meta.contiguous_start is not None:
         s = meta.contiguous_start
-        k = k_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0).transpose(1, 2)  # [1, Hkv, C, D]
-        v = v_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0).transpose(1, 2)
+        k = k_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0)  # [1, C, Hkv, D]
+        v = v_cache.view(-1, hkv, D)[s: s + C].unsqueeze(0)
     else:
-        k = k_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)  # [B, Hkv, C, D]
-        v = v_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C].transpose(1, 2)
+        k = k_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C]  # [B, C, Hkv, D]
+        v = v_cache[meta.block_tables].view(B, -1, hkv, D)[:, :C]
     if meta.query_index is None:
         qp = q.view(B, Q, H, D)
     else:
@@ -98,7 +98,8 @@ def paged_attention(
         out = invariant_attention(qp.transpose(1, 2), k, v, meta.mask(window), scale)
     else:
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k, v, attn_mask=meta.mask(window), scale=scale, enable_gqa=H != hkv
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.mask(window), scale=scale,
+            enable_gqa=H != hkv,
         )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(B * Q, H, D)
     return out if meta.query_index is None else out.index_select(0, meta.query_index)
@@ -108,19 +109,24 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         scale: float) -> torch.Tensor:
     """Attention whose every row is the same whatever else is computed with it.
 
-    q [B, H, Q, D]; k, v [B, Hkv, C, D]; mask [B, 1, Q, C] or None -> [B, H, Q, D] in q's dtype.
-    Two float32 matmuls and a row-local softmax: each output row's reductions (over D, then
-    over the keys) run in one fixed order whatever Q, the batch or the padding (masked keys add
-    exact zeros), unlike SDPA's fused CPU kernel, whose splits follow the query count."""
+    q [B, H, Q, D]; k, v [B, C, Hkv, D] (the cache's layout); mask [B, 1, Q, C] or None ->
+    [B, H, Q, D] in q's dtype. Two float32 matmuls and a row-local softmax: each output row's
+    reductions (over D, then over the keys) run in one fixed order whatever Q, the batch or the
+    padding (masked keys add exact zeros), unlike SDPA's fused CPU kernel, whose splits follow
+    the query count. K and V are converted straight into contiguous float32 operands
+    ([B, Hkv, D, C] and [B, Hkv, C, D]): batched matmuls on strided views take a path ~10x
+    slower on CPU, which made this mode cost 2x SDPA's attention at batch 16."""
     B, H, Q, D = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[2]
     group = H // hkv
-    scores = torch.matmul(q.float().reshape(B, hkv, group * Q, D), k.float().transpose(-1, -2)) * scale
+    kt = k.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format)
+    vf = v.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    scores = torch.matmul(q.float().reshape(B, hkv, group * Q, D), kt).mul_(scale)
     scores = scores.view(B, hkv, group, Q, -1)
     if mask is not None:
-        scores = scores.masked_fill(~mask.view(B, 1, 1, Q, -1), float("-inf"))
+        scores.masked_fill_(~mask.view(B, 1, 1, Q, -1), float("-inf"))
     probs = scores.softmax(-1).view(B, hkv, group * Q, -1)
-    return torch.matmul(probs, v.float()).view(B, H, Q, D).to(q.dtype)
+    return torch.matmul(probs, vf).view(B, H, Q, D).to(q.dtype)
 
 
 def attention_invariance_failures(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -128,12 +134,13 @@ def attention_invariance_failures(device: torch.device, dtype: torch.dtype) -> l
     as among others in a verify block over a longer, masked context, on this machine."""
     g = torch.Generator().manual_seed(0)
     C, Q, D = 77, 5, 64
-    q, k, v = (torch.randn(1, n, length, D, generator=g).to(device, dtype) for n, length in ((6, Q), (2, C), (2, C)))
+    q = torch.randn(1, 6, Q, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, C, 2, D, generator=g).to(device, dtype) for _ in range(2))
     mask = (torch.arange(C)[None, :] <= torch.arange(C - Q, C)[:, None])[None, None].to(device)
     block = invariant_attention(q, k, v, mask, D ** -0.5)
     for i in range(Q):
         c = C - Q + i + 1
-        alone = invariant_attention(q[:, :, i:i + 1], k[:, :, :c], v[:, :, :c], None, D ** -0.5)
+        alone = invariant_attention(q[:, :, i:i + 1], k[:, :c], v[:, :c], None, D ** -0.5)
         if not torch.equal(alone, block[:, :, i:i + 1]):
             return [f"attention row {i} of {Q} differs from the same row alone"]
     return []
