@@ -143,6 +143,14 @@ class AsyncEngine:
         if tokens is not None:
             self._queued_tokens -= tokens
 
+    def load(self) -> tuple[int, int, int, int]:
+        """(requests in, of which waiting for their first token, KV blocks used, KV blocks total):
+        what Info reports to gateways routing across replicas. Read on the event loop while a
+        step may run: plain ints and lengths, so at worst one step stale."""
+        blocks = self.engine.block_manager
+        total = blocks.num_total_blocks
+        return len(self.requests), len(self._queued), total - blocks.num_free_blocks, total
+
     def stalled_for(self) -> float:
         """Seconds the running step has taken so far (0 between steps)."""
         started = self.step_started

@@ -79,7 +79,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def Info(self, request, context):
-        return self.info
+        reply = verifier_pb2.InfoResponse()
+        reply.CopyFrom(self.info)
+        requests, waiting, kv_used, kv_total = self.engine.load()
+        reply.load.num_requests, reply.load.num_waiting = requests, waiting
+        reply.load.kv_blocks_used, reply.load.kv_blocks_total = kv_used, kv_total
+        return reply
 
     # -- drafter administration -------------------------------------------------------
     def _pool(self):

@@ -101,7 +101,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation")
+    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class InfoResponse(_message.Message):
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
     max_model_len: int
@@ -116,7 +117,20 @@ class InfoResponse(_message.Message):
     vocab_hash: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: bool
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ...) -> None: ...
+    load: Load
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("num_requests", "num_waiting", "kv_blocks_used", "kv_blocks_total")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("name", "address", "method", "model", "state", "healthy", "proposals", "draft_tokens", "accepted_tokens", "acceptance_rate", "propose_p50_ms", "propose_p99_ms", "timeouts", "last_error", "trusted", "violations")
