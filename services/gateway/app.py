@@ -11,8 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,23 +19,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specd.auth import VERIFIER, aio_channel
-from specd.grpc_server import CHANNEL_OPTIONS
 from specd.telemetry import tracer
 from specd.tokenizer import Tokenizer
-from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
 from . import admin
 from .config import GatewayConfig, ModelInfo
 from .errors import APIError, bad_request, overloaded
 from .generation import Job, Step, generate
 from .metrics import CONTENT_TYPE, GatewayMetrics
+from .replicas import ReplicaSet
 from .prompts import check_prompt_size, chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
 from .responses import Formatter
 from .schemas import ChatCompletionRequest, CompletionRequest, read_json
 
-HEALTH_TIMEOUT_S = 2.0
-VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+SESSION_HEADER = "x-session-id"  # session affinity: requests with one value go to one replica
+REPLICA_HEADER = "x-specd-replica"  # in responses: the index of the replica that generated it
 Handler = Callable[[Request], Awaitable[Response]]
 TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
 _tracer = tracer("specd.gateway")
@@ -54,23 +50,17 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
-        self.stub: verifier_pb2_grpc.VerifierStub | None = None  # set by lifespan, on the serving loop
-        self.health_stub: health_pb2_grpc.HealthStub | None = None
+        self.replicas = ReplicaSet(config.verifiers, config.security, self.metrics, model.vocab_hash)
         # Templates and tokenizers run here, off the event loop (a long prompt takes a while).
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        # grpc.aio channels belong to the event loop that creates them: create it on the app's own.
-        # CHANNEL_OPTIONS: reconnect within 2 s of a verifier restart (gRPC's default backoff grows
-        # to 2 min), so a retried request finds it soon.
-        channel = aio_channel(self.config.verifier, self.config.security, VERIFIER, options=CHANNEL_OPTIONS)
-        self.stub = verifier_pb2_grpc.VerifierStub(channel)
-        self.health_stub = health_pb2_grpc.HealthStub(channel)
+        await self.replicas.start()  # its channels belong to this, the serving, loop
         try:
             yield
         finally:
-            await channel.close()
+            await self.replicas.close()
             self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- generation
@@ -104,15 +94,17 @@ class Gateway:
         job = Job(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival, deadline_s=self.config.request_timeout_s,
-                  silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s)
+                  silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s,
+                  affinity=request.headers.get(SESSION_HEADER) or body.user)
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)
-        steps = generate(self.stub, self.tokenizer, job, self.metrics)
+        steps = generate(self.replicas, self.tokenizer, job, self.metrics)
         if not body.stream:
-            return JSONResponse(fmt.response(await cancel_on_disconnect(request, _collect(steps))))
+            collected = await cancel_on_disconnect(request, _collect(steps))
+            return JSONResponse(fmt.response(collected), headers={REPLICA_HEADER: str(collected[-1].replica)})
         # Wait for the first chunk before answering, so errors the verifier reports at once
         # (bad argument, queue full, down) get their HTTP status instead of an in-stream event.
         first = await cancel_on_disconnect(request, anext(steps))  # on error the generator is already closed
-        return SSEResponse(_sse(fmt, first, steps, body.include_usage))
+        return SSEResponse(_sse(fmt, first, steps, body.include_usage), headers={REPLICA_HEADER: str(first.replica)})
 
     async def _prompt_ids(self, body, chat: bool) -> list[int]:
         """Size first (a prompt certainly over the context is refused before any work), then the
@@ -142,17 +134,22 @@ class Gateway:
             "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        """200 while the verifier's gRPC health says SERVING for its Verifier service: that turns
-        NOT_SERVING when an engine step stalls, while the process still answers Info."""
-        try:
-            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
-                                                 timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            return APIError(503, f"verifier: {e.code().name}: {e.details()}").response()
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return APIError(503, f"verifier: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} "
-                                 "(starting, stopping, or its engine is stalled)").response()
-        return JSONResponse({"status": "ok"})
+        """200 while a verifier replica's gRPC health says SERVING for its Verifier service (that
+        turns NOT_SERVING when an engine step stalls, while the process still answers Info). Asked
+        now, of every replica: one down is reported in `replicas` while another serves."""
+        replicas = self.replicas.replicas
+        whys = await asyncio.gather(*(r.check() for r in replicas))
+        if all(whys):
+            if len(replicas) == 1:
+                return APIError(503, f"verifier: {whys[0]}").response()
+            return APIError(503, "no verifier replica serves: " + "; ".join(
+                f"{r.address}: {why}" for r, why in zip(replicas, whys))).response()
+        if len(replicas) == 1:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "degraded" if any(whys) else "ok", "replicas": [
+            {"replica": r.index, "address": r.address, "healthy": not why, **({"error": why} if why else {}),
+             "requests": r.load.num_requests, "waiting": r.load.num_waiting, "kv_use": round(r.kv_use(), 4)}
+            for r, why in zip(replicas, whys)]})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -332,7 +329,7 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
     api = config.api_key
     # Admin fails closed: no key means no admin API, unless --open-admin says otherwise.
     guard_admin = (lambda h: require_key(config.admin_key, h)) if config.admin_key or config.open_admin else disabled
-    drafters = admin.DrafterAdmin(lambda: gw.stub, config.max_body_bytes)
+    drafters = admin.DrafterAdmin(gw.replicas, config.max_body_bytes)
     routes = [
         Route("/v1/chat/completions", require_key(api, gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", require_key(api, gw.completions), methods=["POST"]),

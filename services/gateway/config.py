@@ -10,7 +10,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 @dataclass
 class GatewayConfig:
-    verifier: str  # host:port of the verifier's gRPC server
+    verifier: str | list[str]  # host:port of the verifier's gRPC server; several (a list, or comma-separated): replicas
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required on /v1/* when set
@@ -27,9 +27,18 @@ class GatewayConfig:
     verifier_retry_s: float = 15.0  # a request the verifier was lost under before its first token waits this
                                     # long for it to be back (then tried again), else 503
 
+    verifiers: list[str] = field(init=False)  # the replicas, in order (derived from `verifier`)
+
     def __post_init__(self) -> None:
-        if not self.verifier or ":" not in self.verifier:
+        given = [self.verifier] if isinstance(self.verifier, str) else list(self.verifier)
+        self.verifiers = [a.strip() for v in given for a in v.split(",") if a.strip()]
+        if not self.verifiers:
             raise ValueError(f"--verifier must be host:port, got {self.verifier!r}")
+        for address in self.verifiers:
+            if ":" not in address:
+                raise ValueError(f"--verifier must be host:port, got {address!r}")
+        if len(set(self.verifiers)) != len(self.verifiers):
+            raise ValueError(f"--verifier names a replica twice: {', '.join(self.verifiers)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
         if self.max_body_bytes < 1:
@@ -53,3 +62,4 @@ class ModelInfo:
     path: str  # the verifier's --model (directory or hub id)
     max_model_len: int
     vocab_size: int
+    vocab_hash: str = ""  # of its tokenizer; a replica whose Info says otherwise gets no requests

@@ -19,9 +19,12 @@ from specd.wire import params_to_proto, spec_to_dict
 
 from .errors import APIError, from_grpc
 from .metrics import GatewayMetrics
+from .replicas import Replica, ReplicaSet
 
 ABORT_TIMEOUT_S = 5.0
 RETRIES = 2  # more attempts for a request the verifier was lost under before its first token
+# before its first token, a call refused or lost with these moves to another replica (one not tried yet)
+_MOVABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 log = logging.getLogger("specd.gateway")
 
 
@@ -38,6 +41,7 @@ class Step:
     prompt_tokens: int
     completion_tokens: int
     spec: dict | None  # speculation totals so far
+    replica: int = 0  # the verifier replica that generated it
 
 
 @dataclass
@@ -51,9 +55,11 @@ class Job:
     deadline_s: float | None = None  # the whole Generate call (gRPC deadline: 504 past it)
     silence_s: float | None = None  # longest wait for the verifier's next chunk (503 past it: stalled)
     retry_s: float = 15.0  # how long a retry waits for a lost verifier to be back (503 past it)
+    affinity: str | None = None  # session key: the same key goes to the same (healthy) replica
 
 
-async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics) -> AsyncIterator[Step]:
+async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
+                   metrics: GatewayMetrics) -> AsyncIterator[Step]:
     """Yields one Step per chunk; the last has finish_reason set. gRPC errors become APIErrors.
 
     Closing or cancelling this generator (client gone) cancels the call, and the
@@ -65,7 +71,7 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
     timer = metrics.track(job.arrival)
     completed = False
     try:
-        async with contextlib.aclosing(_chunks(stub, job)) as chunks:
+        async with contextlib.aclosing(_chunks(replicas, job, metrics)) as chunks:
             async for chunk in chunks:
                 if chunk.token_ids:
                     timer.tokens()
@@ -79,7 +85,7 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
                 text, stopped = stops.feed(text, final=finish is not None)
                 if stopped:
                     if not finish:  # (a verifier applies stop strings itself; this is for one that did not)
-                        await _abort(stub, chunks.request_id)
+                        await _abort(chunks.replica.stub, chunks.request_id)
                     finish = "stop"
                 completed = finish is not None
                 if completed and span.is_recording():
@@ -91,7 +97,8 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
                            if job.params.num_top_logprobs else None,
                            text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
                            completion_tokens=chunk.completion_tokens,
-                           spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None)
+                           spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None,
+                           replica=chunks.replica.index)
                 if completed:
                     return
         raise APIError(502, "the verifier ended the stream without a finish reason")
@@ -102,14 +109,19 @@ async def generate(stub, tokenizer: Tokenizer, job: Job, metrics: GatewayMetrics
 
 
 class _chunks:
-    """The Generate call's chunks, within the job's deadline and silence bound. A call that fails
-    UNAVAILABLE (the verifier lost: down, restarting, connection broken) before its first chunk is
-    made again, waiting for the verifier to be back: the client has seen nothing, so nothing is
-    repeated. Once a chunk arrived, a failure is the client's to see."""
+    """The Generate call's chunks, within the job's deadline and silence bound.
 
-    def __init__(self, stub, job: Job):
-        self.stub, self.job = stub, job
+    A call refused or lost (UNAVAILABLE: the verifier down, restarting, connection broken;
+    RESOURCE_EXHAUSTED: its queue full) before its first chunk is made again: the client has
+    seen nothing, so nothing is repeated. It goes to a replica this request has not tried yet
+    while there is one; once all are tried, a lost one is waited for (up to retry_s) to be back.
+    Once a chunk arrived, a failure is the client's to see: tokens are never sent twice or skipped.
+    """
+
+    def __init__(self, replicas: ReplicaSet, job: Job, metrics: GatewayMetrics):
+        self.replicas, self.job, self.metrics = replicas, job, metrics
         self.request_id = job.request_id
+        self.replica: Replica | None = None
         self._call = None
         self._gen = self._run()
 
@@ -129,22 +141,32 @@ class _chunks:
         deadline = loop.time() + job.deadline_s if job.deadline_s else None
         request = verifier_pb2.GenerateRequest(prompt_token_ids=job.prompt_ids,
                                                params=params_to_proto(job.params, drafter=job.drafter))
-        for attempt in range(RETRIES + 1):
+        tried: set[int] = set()
+        attempts = RETRIES + len(self.replicas.replicas)  # one replica: RETRIES + 1, as before replicas
+        for attempt in range(attempts):
+            replica = self.replica = self.replicas.pick(job.affinity, exclude=tried)
+            back = replica.index in tried  # every replica failed this request once: wait for this one to return
+            tried.add(replica.index)
             # A fresh id per attempt: the verifier may not have noticed the last one's end yet.
             self.request_id = job.request_id if attempt == 0 else f"{job.request_id}-retry{attempt}"
             request.request_id = self.request_id
             remaining = None if deadline is None else max(0.001, deadline - loop.time())
-            call = self._call = self.stub.Generate(request, metadata=inject_metadata(), timeout=remaining,
-                                                   wait_for_ready=attempt > 0)
+            call = self._call = replica.stub.Generate(request, metadata=inject_metadata(), timeout=remaining,
+                                                      wait_for_ready=back)
+            label = replica.address
+            self.metrics.replica_requests.labels(label).inc()
+            self.metrics.replica_in_flight.labels(label).inc()
+            replica.in_flight += 1
+            replica.routed += 1
             received = False
             try:
                 while True:
-                    wait = job.silence_s if received or attempt == 0 else min(job.silence_s or job.retry_s,
-                                                                               job.retry_s)
+                    wait = job.silence_s if received or not back else min(job.silence_s or job.retry_s,
+                                                                          job.retry_s)
                     try:
                         chunk = await asyncio.wait_for(call.read(), wait)
                     except asyncio.TimeoutError:
-                        if attempt and not received:
+                        if back and not received:
                             raise APIError(503, f"verifier: UNAVAILABLE: lost, and not back within {wait:g} s; "
                                                 "retry later", code="verifier_unavailable") from None
                         raise APIError(503, f"verifier: no reply for {wait:g} s (stalled or overloaded); "
@@ -154,12 +176,21 @@ class _chunks:
                     received = True
                     yield chunk
             except grpc.aio.AioRpcError as e:
-                if received or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == RETRIES:
+                code = e.code()
+                last = attempt == attempts - 1
+                if received or code not in _MOVABLE or last:
                     raise
-                log.warning("request %s: verifier unavailable before the first token (%s); trying again",
-                            job.request_id, e.details())
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(tried) == len(self.replicas.replicas):
+                    raise  # every replica's queue is full: the client's 429
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self.replicas.lost(replica, e.details() or code.name)
+                self.metrics.replica_failovers.labels(label).inc()
+                log.warning("request %s: verifier %s %s before the first token (%s); trying again",
+                            job.request_id, replica.address, code.name, e.details())
             finally:
                 call.cancel()  # synchronous: this may run inside a cancelled scope
+                replica.in_flight -= 1
+                self.metrics.replica_in_flight.labels(label).dec()
 
 
 async def _abort(stub, request_id: str) -> None:

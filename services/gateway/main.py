@@ -18,7 +18,9 @@ log = logging.getLogger("specd.gateway")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verifier", required=True, help="host:port of the verifier's gRPC server")
+    parser.add_argument("--verifier", required=True, action="append", metavar="HOST:PORT",
+                        help="the verifier's gRPC server; several replicas: repeat it or separate by commas "
+                             "(requests go to the least loaded, or by session: X-Session-Id header or `user`)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
@@ -73,16 +75,36 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
 
     from .app import build_app
 
-    info = await wait_for_info(config.verifier, config.verifier_wait_s, config.security)
+    info = await wait_for_any_info(config.verifiers, config.verifier_wait_s, config.security)
     tokenizer = load_tokenizer(config.tokenizer or info.model, info.vocab_hash)
     model = ModelInfo(name=config.served_model_name or info.model_name, path=info.model,
-                      max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-    log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len, config.verifier)
+                      max_model_len=info.max_model_len, vocab_size=info.vocab_size, vocab_hash=info.vocab_hash)
+    log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len,
+             ", ".join(config.verifiers))
     server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,
                                            log_level=log_level, timeout_graceful_shutdown=5,
                                            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
     await server.serve()
     return 0
+
+
+async def wait_for_any_info(addresses: list[str], wait_s: float, security=None):
+    """Info of the first replica to answer: the gateway serves as soon as one does (the others
+    are polled, and get requests once they serve the same vocabulary)."""
+    import asyncio
+
+    tasks = [asyncio.ensure_future(wait_for_info(a, wait_s, security)) for a in addresses]
+    try:
+        errors = []
+        for next_done in asyncio.as_completed(tasks):
+            try:
+                return await next_done
+            except RuntimeError as e:
+                errors.append(str(e))
+        raise RuntimeError("; ".join(errors))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def wait_for_info(address: str, wait_s: float, security=None):

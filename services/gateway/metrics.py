@@ -27,6 +27,17 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.running = Gauge("specd_gateway_requests_running", "Generate calls in flight",
                              registry=self.registry)
+        # Per verifier replica (label: its address); one replica is the single-verifier gateway.
+        self.replica_requests = Counter("specd_gateway_replica_requests", "Generate calls sent to a verifier "
+                                        "replica (a request moved to another replica counts on both)",
+                                        ["replica"], registry=self.registry)
+        self.replica_failovers = Counter("specd_gateway_replica_failovers", "Requests moved off a replica "
+                                         "before their first token (it was lost or refused them)",
+                                         ["replica"], registry=self.registry)
+        self.replica_in_flight = Gauge("specd_gateway_replica_requests_running", "Generate calls in flight "
+                                       "on a replica", ["replica"], registry=self.registry)
+        self.replica_healthy = Gauge("specd_gateway_replica_healthy", "1 while a replica serves (polled "
+                                     "health and Info), else 0", ["replica"], registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""Verifier replicas behind one gateway: their health and load, and which one a request goes to.
+
+Load is read by polling each replica's Info every POLL_S (its Load: requests in, queue depth,
+KV blocks in use), added to what this gateway has in flight there. Why polling Info and not
+scraping /metrics or a load report on every chunk: Info rides the gateway's own authenticated
+gRPC channel (a verifier's metrics port may be off or unreachable), one poll also says whether
+the replica is alive, and the proto change is one message. A poll is up to POLL_S stale, so the
+gateway's own in-flight count, which moves the moment it routes, is what spreads a burst; the
+polled numbers add what other gateways (or an earlier burst still queued) put there.
+
+A single replica is the old single-verifier gateway: every request goes to it, whatever the polls say.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.auth import VERIFIER, Security, aio_channel
+from specd.grpc_server import CHANNEL_OPTIONS
+from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+from .metrics import GatewayMetrics
+
+POLL_S = 0.5
+POLL_TIMEOUT_S = 2.0
+KV_FULL = 0.95  # a replica with more of its KV cache in use than this gets new requests last
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+log = logging.getLogger("specd.gateway")
+
+
+class Replica:
+    """One verifier: its channel, what the last poll said, and this gateway's calls on it."""
+
+    def __init__(self, index: int, address: str, security: Security):
+        self.index, self.address = index, address
+        # grpc.aio channels belong to the event loop that creates them: made in ReplicaSet.start().
+        # CHANNEL_OPTIONS: reconnect within 2 s of a restart, so a waiting retry finds it soon.
+        self.channel = aio_channel(address, security, VERIFIER, options=CHANNEL_OPTIONS)
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = True  # optimistic until the first poll: startup waited for one replica's Info
+        self.why = ""  # why not healthy
+        self.load = verifier_pb2.Load()
+        self.in_flight = 0  # this gateway's Generate calls on it
+        self.routed = 0
+
+    def pending(self) -> int:
+        """Requests ahead of a new one here; waiting ones count twice (the replica's batch is full)."""
+        return max(self.in_flight, self.load.num_requests) + self.load.num_waiting
+
+    def kv_use(self) -> float:
+        return self.load.kv_blocks_used / self.load.kv_blocks_total if self.load.kv_blocks_total else 0.0
+
+    def sort_key(self) -> tuple:
+        kv = self.kv_use()
+        return kv > KV_FULL, self.pending(), kv, self.routed  # routed last: equal replicas take turns
+
+    async def check(self) -> str:
+        """"" when the replica serves, else why not (its health says SERVING for the Verifier service)."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
+                                                 timeout=POLL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        if reply.status != _SERVING:
+            return (f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} "
+                    "(starting, stopping, or its engine is stalled)")
+        return ""
+
+
+def affinity_rank(key: str, address: str) -> bytes:
+    """Rendezvous hashing: a session goes to the healthy replica ranking highest for its key, so
+    it stays there while that one lives, and only the sessions of a lost replica move."""
+    return hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest()
+
+
+class ReplicaSet:
+    def __init__(self, addresses: list[str], security: Security, metrics: GatewayMetrics, vocab_hash: str = ""):
+        self.addresses, self.security, self.metrics, self.vocab_hash = addresses, security, metrics, vocab_hash
+        self.replicas: list[Replica] = []
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.replicas = [Replica(i, a, self.security) for i, a in enumerate(self.addresses)]
+        for r in self.replicas:
+            self.metrics.replica_healthy.labels(r.address).set(1)
+        if len(self.replicas) > 1:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for r in self.replicas:
+            await r.channel.close()
+
+    def pick(self, affinity: str | None = None, exclude: set[int] = frozenset()) -> Replica:
+        """The replica for a new Generate call: not one in `exclude` (already failed this request)
+        while another is left; a healthy one while there is one; by affinity key if given, else
+        the least loaded."""
+        candidates = [r for r in self.replicas if r.index not in exclude] or self.replicas
+        live = [r for r in candidates if r.healthy] or candidates
+        if affinity:
+            return max(live, key=lambda r: affinity_rank(affinity, r.address))
+        return min(live, key=Replica.sort_key)
+
+    def lost(self, replica: Replica, why: str) -> None:
+        """A call found the replica gone: route around it until a poll finds it back."""
+        if len(self.replicas) > 1 and replica.healthy:
+            log.warning("verifier replica %d (%s) lost: %s", replica.index, replica.address, why)
+            self._set_health(replica, why)
+
+    def _set_health(self, replica: Replica, why: str) -> None:
+        replica.healthy, replica.why = not why, why
+        self.metrics.replica_healthy.labels(replica.address).set(0 if why else 1)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            await asyncio.sleep(POLL_S)
+
+    async def _poll(self, r: Replica) -> None:
+        why = await r.check()
+        if not why:
+            try:
+                info = await r.stub.Info(verifier_pb2.InfoRequest(), timeout=POLL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                why = f"{e.code().name}: {e.details()}"
+            else:
+                r.load = info.load
+                if self.vocab_hash and info.vocab_hash != self.vocab_hash:
+                    # Another model's token ids would make every output silently wrong: never route there.
+                    why = f"serves {info.model_name}, whose vocabulary is not the gateway's"
+        if why and r.healthy:
+            log.warning("verifier replica %d (%s) not healthy: %s", r.index, r.address, why)
+        elif not why and not r.healthy:
+            log.warning("verifier replica %d (%s) healthy again", r.index, r.address)
+        self._set_health(r, why)
