@@ -5,12 +5,25 @@ state is keyed by sequence id and fed only committed tokens (drafts that were no
 accepted never reach it, so there is nothing speculative to undo). A request that
 does not line up with what the proposer knows is answered with resync=True, and the
 caller sends the full history next time.
+
+Hidden-state proposers (EAGLE, EAGLE-3, Medusa, MLP speculator) also get the target's
+features. A proposer that wants them has `feature_layers`: indices in Hugging Face's
+`output_hidden_states` convention for a target with L decoder layers (0 = the embeddings,
+j < L = the residual stream entering layer j, i.e. leaving layer j-1, L = the final normed
+state, the LM head's input). EAGLE, Medusa and MLP speculators use (L,); EAGLE-3 uses
+(2, L // 2, L - 3). Row i of ProposeRequest.features is the target's state at the position
+before new_tokens[i], the state that predicted it, with the requested layers concatenated
+in order. The first token of a history has no predicting state, so a full history has one
+row fewer than tokens; after that, one row per new token.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -23,6 +36,9 @@ class ProposeRequest:
     temperature: float = 0.0  # drafter-side sampling (draft_model only)
     seed: int | None = None
     num_prompt_tokens: int | None = None  # optional; suffix caches the tokens after the prompt
+    # [rows, len(feature_layers) * hidden]: the target's features for new_tokens (module docstring);
+    # None for token-only proposers.
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -39,6 +55,11 @@ class Proposer(Protocol):
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]: ...
 
     def release(self, seq_ids: list[int]) -> None: ...
+
+
+def feature_rows(req: ProposeRequest) -> int:
+    """How many feature rows `req` must carry for a hidden-state proposer."""
+    return max(len(req.new_tokens) - 1, 0) if req.full_history else len(req.new_tokens)
 
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {}
