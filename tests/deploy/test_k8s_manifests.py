@@ -100,6 +100,11 @@ def problems(resources: list[dict]) -> list[str]:
         if not w["spec"]["selector"]["matchLabels"].items() <= labels.items():
             out.append(f"{wname}: selector does not match its pod labels")
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes.update({t["metadata"]["name"]: {"persistentVolumeClaim": t} for t in w["spec"].get("volumeClaimTemplates", [])})
+        if w["kind"] == "StatefulSet":
+            svc = services.get(w["spec"]["serviceName"])
+            if svc is None or svc["spec"].get("clusterIP") != "None":
+                out.append(f"{wname}: serviceName {w['spec']['serviceName']} is no headless Service")
         for v in volumes.values():
             if "secret" in v and v["secret"]["secretName"] not in secrets:
                 out.append(f"{wname}: volume {v['name']} needs Secret {v['secret']['secretName']}, which is not defined")
@@ -176,7 +181,7 @@ def problems(resources: list[dict]) -> list[str]:
                 startup = ns.drafter + ns.trusted_drafter
                 allowed = SimpleNamespace(allowed_addresses=ns.allow_drafter_address or [])
                 for name, address in startup:
-                    out += _address_problems(where, f"drafter {name}", address, services)
+                    out += _address_problems(where, f"drafter {name}", address, services, workloads)
                     if ns.allow_drafter_address is not None:
                         try:
                             DrafterPool.check_address(allowed, address)
@@ -190,9 +195,18 @@ def problems(resources: list[dict]) -> list[str]:
                             out.append(f"{where}: --allow-drafter-address does not admit Service {svc}")
             if ns.command == "gateway":
                 # one address, or (with replica routing) a list of them, each possibly comma-separated
-                for value in ns.verifier if isinstance(ns.verifier, list) else [ns.verifier]:
-                    for address in value.split(","):
-                        out += _address_problems(where, "--verifier", address, services)
+                addresses = [a for v in (ns.verifier if isinstance(ns.verifier, list) else [ns.verifier])
+                             for a in v.split(",")]
+                for address in addresses:
+                    out += _address_problems(where, "--verifier", address, services, workloads)
+                # every verifier replica is listed, or it would sit idle
+                for sts in (w for w in workloads if w["kind"] == "StatefulSet" and any(
+                        a.startswith(f"{w['metadata']['name']}-") for a in addresses)):
+                    wanted = {f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
+                              for i in range(sts["spec"]["replicas"])}
+                    missing = wanted - {a.rpartition(":")[0] for a in addresses}
+                    if missing:
+                        out.append(f"{where}: --verifier does not list replicas {sorted(missing)}")
                 gateway_pods.append((where, {"c": c, "fetched": fetched}))
     # The gateway loads the tokenizer from the path the verifier reports (its --model).
     for where, pod in gateway_pods:
@@ -218,11 +232,18 @@ def _file_problems(what: str, path: str, container: dict, volumes: dict, secrets
     return [] if key in keys else [f"{what} {path}: no such key in its Secret/ConfigMap"]
 
 
-def _address_problems(where: str, what: str, address: str, services: dict) -> list[str]:
+def _address_problems(where: str, what: str, address: str, services: dict, workloads: list[dict]) -> list[str]:
+    """address is SERVICE:PORT, or POD.SERVICE:PORT for a StatefulSet's pod behind its headless Service."""
     host, _, port = address.rpartition(":")
-    svc = services.get(host)
+    pod, _, svc_name = host.rpartition(".") if "." in host else ("", "", host)
+    svc = services.get(svc_name)
     if svc is None:
-        return [f"{where}: {what} {address}: no Service named {host}"]
+        return [f"{where}: {what} {address}: no Service named {svc_name}"]
+    if pod:
+        pods = {f"{w['metadata']['name']}-{i}" for w in workloads
+                if w["kind"] == "StatefulSet" and w["spec"]["serviceName"] == svc_name for i in range(w["spec"]["replicas"])}
+        if svc["spec"].get("clusterIP") != "None" or pod not in pods:
+            return [f"{where}: {what} {address}: no replica {pod} behind headless Service {svc_name}"]
     if int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
         return [f"{where}: {what} {address}: Service {host} has no port {port}"]
     return []
@@ -256,13 +277,14 @@ def test_cross_references_hold(built):
 
 def test_every_component_is_there():
     kinds = {(r["kind"], r["metadata"]["name"]) for r in build(K8S)}
-    for name in ("specd-gateway", "specd-verifier", "specd-drafter-dm", "specd-drafter-ngram"):
+    for name in ("specd-gateway", "specd-drafter-dm", "specd-drafter-ngram"):
         assert ("Deployment", name) in kinds and ("Service", name) in kinds
+    assert ("StatefulSet", "specd-verifier") in kinds and ("Service", "specd-verifier") in kinds
     assert ("Secret", "specd-grpc") in kinds
 
 
 def _containers(resources, workload):
-    w = next(r for r in resources if r["kind"] == "Deployment" and r["metadata"]["name"] == workload)
+    w = next(r for r in resources if r["kind"] in WORKLOADS and r["metadata"]["name"] == workload)
     return {c["name"]: c for c in w["spec"]["template"]["spec"]["containers"]}
 
 
@@ -285,7 +307,7 @@ def test_gpu_overlay_requests_gpus_and_runs_cuda():
 # ---- broken copies must fail ---------------------------------------------------------------
 
 def _deployment(resources, name):
-    return next(r for r in resources if r["kind"] == "Deployment" and r["metadata"]["name"] == name)
+    return next(r for r in resources if r["kind"] in WORKLOADS and r["metadata"]["name"] == name)
 
 
 def _verifier(resources):
@@ -328,6 +350,11 @@ REFERENCE_BREAKS = {
     "drafter host": (lambda rs: _set_arg(rs, "--drafter", "dm=drafter-dm:50061"), "no Service named drafter-dm"),
     "model path": (lambda rs: _set_arg(rs, "--model", "/var/cache/specd/SmolLM2-135M-Instruct"), "--model"),
     "metrics port": (lambda rs: _set_arg(rs, "--metrics-port", "9500"), "prometheus.io/port"),
+    "replica missing": (lambda rs: _deployment(rs, "specd-verifier")["spec"].update(replicas=3),
+                        "does not list replicas ['specd-verifier-2.specd-verifier']"),
+    "replica too many": (lambda rs: _deployment(rs, "specd-verifier")["spec"].update(replicas=1),
+                         "no replica specd-verifier-1"),
+    "not headless": (lambda rs: _service(rs, "specd-verifier")["spec"].pop("clusterIP"), "no headless Service"),
 }
 
 
