@@ -24,11 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
     p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--verifier-port", type=int, default=50051)
+    p.add_argument("--verifier-port", type=int, default=50051,
+                   help="the verifier's gRPC port; with --replicas N, replica i listens on this + i")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="verifier processes (each its own target and KV cache, all sharing the drafters) "
+                        "behind the one gateway, which routes by load (default 1)")
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter port; the next ones count up")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="verifier /metrics port; drafters use the next ones (default: each service's gRPC "
-                        "port + 1000; 0: off). The gateway serves its own /metrics")
+                   help="verifier /metrics port (replica i: this + i); drafters use the next ones (default: "
+                        "each service's gRPC port + 1000; 0: off). The gateway serves its own /metrics")
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
@@ -47,20 +51,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
 
 
-def metrics_ports(args, num_drafters: int) -> tuple[int, list[int]]:
-    """The verifier's and the drafters' metrics ports (0: off). --metrics-port N: N, then N+1,
-    N+2, ... for the drafters; by default each service's own rule (specd.metrics_port), where a
-    port the OS would pick is picked here, so the ports can be printed."""
-    from specd.metrics_port import default_metrics_port
-
+def metrics_ports(args, num_drafters: int, num_replicas: int = 1) -> tuple[int, list[int]]:
+    """The verifier's (replica 0's) and the drafters' metrics ports (0: off). --metrics-port N: N
+    (replica i: N+i, replica_metrics_port), then the next ones for the drafters; by default each
+    service's own rule (specd.metrics_port), where a port the OS would pick is picked here, so
+    the ports can be printed."""
     if args.metrics_port is not None:
         n = args.metrics_port
-        return n, [n + 1 + i if n else 0 for i in range(num_drafters)]
+        return n, [n + num_replicas + i if n else 0 for i in range(num_drafters)]
+    return _derived_metrics_port(args.verifier_port), [_derived_metrics_port(args.drafter_port + i)
+                                                       for i in range(num_drafters)]
 
-    def derived(grpc_port: int) -> int:
-        return default_metrics_port(grpc_port) or _free_port()
 
-    return derived(args.verifier_port), [derived(args.drafter_port + i) for i in range(num_drafters)]
+def replica_metrics_port(args, first: int, i: int) -> int:
+    """Replica i's metrics port, given replica 0's (from metrics_ports)."""
+    if i == 0 or args.metrics_port is not None:
+        return first + i if first else 0
+    return _derived_metrics_port(args.verifier_port + i)
+
+
+def _derived_metrics_port(grpc_port: int) -> int:
+    from specd.metrics_port import default_metrics_port
+
+    return default_metrics_port(grpc_port) or _free_port()
 
 
 def _free_port() -> int:
@@ -193,20 +206,28 @@ def run(args) -> int:
     # The stack's gRPC hops authenticate with one secret; its drafters hold it too, so they are
     # registered trusted (their sparse q is used). `specd drafters` finds it in the token file.
     secret = auth.read_secret(args.auth_token_file) or auth.generate_secret()
-    verifier = f"127.0.0.1:{args.verifier_port}"
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    verifiers = [f"127.0.0.1:{args.verifier_port + i}" for i in range(args.replicas)]
+    drafter_ports = {args.drafter_port + i for i in range(len(drafters))}
+    if drafter_ports & {args.verifier_port + i for i in range(args.replicas)}:
+        raise ValueError(f"--replicas {args.replicas} from --verifier-port {args.verifier_port} overlaps the "
+                         f"drafter ports from --drafter-port {args.drafter_port}: move one of them")
+    verifier = verifiers[0]
     tls_ca = args.tls_ca or args.tls_cert
     security = auth.Security(secret=secret, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=tls_ca)
     server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     client_tls = ["--tls-ca", tls_ca] if tls_ca else []
     scheme = "https" if args.tls_cert else "http"
     token_file = auth.up_token_file(verifier)
-    auth.write_secret(token_file, secret)
+    for address in verifiers:  # `specd drafters --verifier ADDRESS` finds it for any replica
+        auth.write_secret(auth.up_token_file(address), secret)
     stack = Stack(secret)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     log = ["--log-level", args.log_level]
-    verifier_metrics, drafter_metrics = metrics_ports(args, len(drafters))
+    verifier_metrics, drafter_metrics = metrics_ports(args, len(drafters), args.replicas)
     metrics_urls = [("gateway", f"{scheme}://{args.host}:{args.port}/metrics")]
     try:
         checks, drafter_flags, names = [], [], []
@@ -224,20 +245,27 @@ def run(args) -> int:
             names.append(name)
             if drafter_metrics[i]:
                 metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
-        argv = ["verifier", "--model", target, "--port", str(args.verifier_port), "--metrics-port",
-                str(verifier_metrics), "--threads", str(args.threads), *drafter_flags, *log, *server_tls, *client_tls]
-        if verifier_metrics:
-            metrics_urls.insert(1, ("verifier", f"http://127.0.0.1:{verifier_metrics}/metrics"))
-        if args.no_speculation:
-            argv.append("--no-speculation")
-        if args.speculative_config:
-            argv += ["--speculative-config", args.speculative_config]
-        if args.max_model_len:
-            argv += ["--max-model-len", str(args.max_model_len)]
-        stack.start("verifier", argv)
-        checks.append(("verifier", lambda: grpc_serving(verifier, security)
-                       and drafters_registered(verifier, names, security)))
-        argv = ["gateway", "--verifier", verifier, "--host", args.host, "--port", str(args.port), *log, *client_tls]
+        replica_names = ["verifier"] if args.replicas == 1 else [f"verifier {i}" for i in range(args.replicas)]
+        for i, (name, address) in enumerate(zip(replica_names, verifiers)):
+            # Every replica registers the same drafters: they share them (a drafter keys its
+            # sequences by client, one client id per verifier process).
+            metrics_port = replica_metrics_port(args, verifier_metrics, i)
+            argv = ["verifier", "--model", target, "--port", address.rpartition(":")[2], "--metrics-port",
+                    str(metrics_port), "--threads", str(args.threads), *drafter_flags, *log, *server_tls,
+                    *client_tls]
+            if metrics_port:
+                metrics_urls.insert(1 + i, (name, f"http://127.0.0.1:{metrics_port}/metrics"))
+            if args.no_speculation:
+                argv.append("--no-speculation")
+            if args.speculative_config:
+                argv += ["--speculative-config", args.speculative_config]
+            if args.max_model_len:
+                argv += ["--max-model-len", str(args.max_model_len)]
+            stack.start(name, argv)
+            checks.append((name, lambda a=address: grpc_serving(a, security)
+                           and drafters_registered(a, names, security)))
+        argv = ["gateway", "--verifier", ",".join(verifiers), "--host", args.host, "--port", str(args.port), *log,
+                *client_tls]
         if args.tls_cert:
             argv += ["--ssl-certfile", args.tls_cert, "--ssl-keyfile", args.tls_key]
         for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
@@ -250,7 +278,8 @@ def run(args) -> int:
             return 0
         url = f"{scheme}://{args.host}:{args.port}/v1"
         model_name = os.path.basename(target.rstrip("/"))
-        print(f"specd is up: {url}  (OpenAI API; model {model_name}; "
+        replicas = f"{args.replicas} verifier replicas; " if args.replicas > 1 else ""
+        print(f"specd is up: {url}  (OpenAI API; model {model_name}; {replicas}"
               f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
@@ -260,12 +289,23 @@ def run(args) -> int:
         print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
+        reported: set[str] = set()
         while not stopping.is_set():
             dead = stack.dead()
-            if dead:
-                raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in dead) + " (its log is above)")
+            # A lost replica leaves the others serving (the gateway routes around it); anything else,
+            # or the last replica, takes the stack down.
+            fatal = [(n, c) for n, c in dead if args.replicas == 1 or n not in replica_names]
+            if fatal or len([n for n, _ in dead if n in replica_names]) == args.replicas:
+                raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in (fatal or dead))
+                                   + " (its log is above)")
+            for n, c in dead:
+                if n not in reported:
+                    reported.add(n)
+                    print(f"{n} exited with code {c} (its log is above); the other replicas serve on",
+                          file=sys.stderr, flush=True)
             stopping.wait(0.5)
         return 0
     finally:
         stack.stop()
-        token_file.unlink(missing_ok=True)
+        for address in verifiers:
+            auth.up_token_file(address).unlink(missing_ok=True)

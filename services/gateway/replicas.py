@@ -58,8 +58,10 @@ class Replica:
         return self.load.kv_blocks_used / self.load.kv_blocks_total if self.load.kv_blocks_total else 0.0
 
     def sort_key(self) -> tuple:
+        # KV use in quarters: a cached block or two must not outweigh the turn-taking of equal replicas
+        # (routed last); a nearly full cache (preemptions ahead) goes last whatever its queue.
         kv = self.kv_use()
-        return kv > KV_FULL, self.pending(), kv, self.routed  # routed last: equal replicas take turns
+        return kv > KV_FULL, self.pending(), int(kv * 4), self.routed
 
     async def check(self) -> str:
         """"" when the replica serves, else why not (its health says SERVING for the Verifier service)."""

@@ -1,13 +1,18 @@
 """Several verifier replicas behind one gateway (issue 18, part 3), as real processes on loopback
 driven through the official `openai` client: load is spread, session affinity holds, replicas
 share one drafter without mixing their sequences, and a replica killed mid-run (SIGKILL) loses
-no request that had produced no token, while every greedy output equals the offline engine's.
+no request that had produced no token, while every greedy output equals the offline engine's;
+`specd up --replicas 2` starts such a stack and outlives one replica.
 
-The order matters: the last test kills a replica of the module's stack.
+The order matters: the fourth test kills the replicas of the module's stack.
 """
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -202,3 +207,60 @@ def test_killing_a_replica_loses_no_request_without_a_token(stack, reference):
     stack["launcher"].stop(survivor, signal.SIGKILL)
     health = httpx.get(f"{stack['base']}/health", timeout=10)
     assert health.status_code == 503 and "no verifier replica serves" in health.json()["error"]["message"]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of the processes whose parent is pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry)] = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_up_starts_replicas_behind_one_gateway_and_survives_losing_one(launcher, reference):
+    http, drafter = launcher.free_port(), launcher.free_port()
+    verifier = next(p for p in (launcher.free_port() for _ in range(50)) if p < 65000 and not _port_open(p + 1))
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--replicas", "2", "--port", str(http),
+                             "--verifier-port", str(verifier), "--drafter-port", str(drafter), "--metrics-port", "0",
+                             "--target", str(MODEL_DIR), "--drafter", "ngram"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        line = proc.stdout.readline()  # blocks until every replica and the gateway are healthy
+        assert "specd is up" in line and "2 verifier replicas" in line, proc.stderr.read()[-3000:] if not line else line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0, timeout=120)
+        spec = {"drafter": "ngram", "num_speculative_tokens": 3}
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: client.completions.with_raw_response.create(
+                model=MODEL, prompt=p, max_tokens=N, temperature=0,
+                extra_body={"ignore_eos": True, "speculative": spec}), PROMPTS[:6]))
+        assert {int(r.headers["x-specd-replica"]) for r in results} == {0, 1}, httpx.get(
+            f"http://127.0.0.1:{http}/health", timeout=10).text
+        assert [r.parse().choices[0].text for r in results] == [reference(p) for p in PROMPTS[:6]]
+        health = httpx.get(f"http://127.0.0.1:{http}/health", timeout=10).json()
+        assert [r["address"] for r in health["replicas"]] == [f"127.0.0.1:{verifier}", f"127.0.0.1:{verifier + 1}"]
+        # A replica lost: the stack stays up and serves from the other one.
+        victim = next(pid for pid, cmd in _children(proc.pid).items() if f"--port {verifier + 1} " in cmd)
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(2.0)
+        assert proc.poll() is None
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == reference(PROMPTS[0])
+        assert httpx.get(f"http://127.0.0.1:{http}/health", timeout=10).json()["status"] == "degraded"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
