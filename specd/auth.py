@@ -35,6 +35,9 @@ class Security:
     tls_cert: str | None = None  # server certificate chain (PEM) and key: serve TLS
     tls_key: str | None = None
     tls_ca: str | None = None  # CA bundle (PEM) to verify the servers this process calls: call with TLS
+    # The name the servers' certificates must carry, instead of the host called: drafters that
+    # `specd drafters swap` starts are reached by container names no certificate can list ahead.
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -105,12 +108,14 @@ def add_arguments(p, server: bool = True, client: bool = True) -> None:
     if client:
         p.add_argument("--tls-ca", default=None, metavar="PEM",
                        help="call gRPC services over TLS, verifying them against this CA bundle")
+        p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="with --tls-ca: the name the services' certificates must carry (default: the host called)")
 
 
 def from_args(args, fallback: Path | None = None) -> Security:
     return Security(secret=read_secret(getattr(args, "auth_token_file", None), fallback),
                     tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
-                    tls_ca=getattr(args, "tls_ca", None))
+                    tls_ca=getattr(args, "tls_ca", None), tls_server_name=getattr(args, "tls_server_name", None))
 
 
 # ---- server side ---------------------------------------------------------------------------
@@ -220,9 +225,16 @@ def _channel_credentials(security: Security) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(root_certificates=Path(security.tls_ca).read_bytes())
 
 
+def _tls_options(security: Security, options):
+    if security.tls_ca is None or security.tls_server_name is None:
+        return options
+    return [*(options or ()), ("grpc.ssl_target_name_override", security.tls_server_name)]
+
+
 def aio_channel(address: str, security: Security | None, audience: str, options=None) -> grpc.aio.Channel:
     """A grpc.aio channel to a service of `audience`, with TLS and the token as configured."""
     security = security or Security()
+    options = _tls_options(security, options)
     tok = security.token(audience)
     interceptors = [kind(tok) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)] \
         if tok else None
@@ -234,6 +246,7 @@ def aio_channel(address: str, security: Security | None, audience: str, options=
 
 def sync_channel(address: str, security: Security | None, audience: str, options=None) -> grpc.Channel:
     security = security or Security()
+    options = _tls_options(security, options)
     creds = _channel_credentials(security)
     channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
                else grpc.insecure_channel(address, options=options))

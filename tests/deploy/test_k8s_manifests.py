@@ -9,7 +9,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import posixpath
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,15 +21,16 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kustomize_lite import build, kustomization, load_docs
+from kustomize_lite import MERGE_KEYS, build, kustomization, load_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+BASE = K8S / "base"
 # The oldest release the manifests are written for (gRPC probes GA in 1.27; 1.29 is the
 # oldest in upstream support when written) and the newest kubernetes-validate bundles.
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
-BUILDS = [K8S, *OVERLAYS]
+BUILDS = [BASE, *OVERLAYS]
 WORKLOADS = {"Deployment", "StatefulSet"}
 FILE_FLAGS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "ssl_certfile", "ssl_keyfile")
 # Which image runs which subcommand (compose.yaml builds them; `models fetch` needs torch).
@@ -34,7 +39,7 @@ IMAGES = {"verifier": {"specd-verifier"}, "drafter": {"specd-drafter"}, "gateway
 
 
 def _id(path: Path) -> str:
-    return str(path.relative_to(K8S)) if path != K8S else "base"
+    return str(path.relative_to(K8S))
 
 
 def parse_cli(args: list[str]):
@@ -260,8 +265,8 @@ def built(request) -> list[dict]:
 
 
 def test_kustomization_lists_every_manifest():
-    listed = {Path(p).name for p in kustomization(K8S)["resources"]}
-    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    listed = {Path(p).name for p in kustomization(BASE)["resources"]}
+    on_disk = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk
     assert OVERLAYS, "the GPU variant is an overlay"
 
@@ -276,7 +281,7 @@ def test_cross_references_hold(built):
 
 
 def test_every_component_is_there():
-    kinds = {(r["kind"], r["metadata"]["name"]) for r in build(K8S)}
+    kinds = {(r["kind"], r["metadata"]["name"]) for r in build(BASE)}
     for name in ("specd-gateway", "specd-drafter-dm", "specd-drafter-ngram"):
         assert ("Deployment", name) in kinds and ("Service", name) in kinds
     assert ("StatefulSet", "specd-verifier") in kinds and ("Service", "specd-verifier") in kinds
@@ -289,7 +294,7 @@ def _containers(resources, workload):
 
 
 def test_verifier_probes_are_grpc_health():
-    c = _containers(build(K8S), "specd-verifier")["verifier"]
+    c = _containers(build(BASE), "specd-verifier")["verifier"]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[kind]["grpc"]["port"] == 50051
 
@@ -300,7 +305,7 @@ def test_gpu_overlay_requests_gpus_and_runs_cuda():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     ns, _ = parse_cli(c["args"])
     assert ns.device == "cuda"
-    base = _containers(build(K8S), "specd-verifier")["verifier"]
+    base = _containers(build(BASE), "specd-verifier")["verifier"]
     assert "nvidia.com/gpu" not in base["resources"].get("limits", {})
 
 
@@ -324,7 +329,7 @@ SCHEMA_BREAKS = {
 
 @pytest.mark.parametrize("name", SCHEMA_BREAKS)
 def test_a_broken_copy_fails_the_schema(name):
-    resources = copy.deepcopy(build(K8S))
+    resources = copy.deepcopy(build(BASE))
     SCHEMA_BREAKS[name](resources)
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_all(resources, K8S_VERSIONS[0])
@@ -360,7 +365,7 @@ REFERENCE_BREAKS = {
 
 @pytest.mark.parametrize("name", REFERENCE_BREAKS)
 def test_a_broken_copy_fails_the_cross_checks(name):
-    resources = copy.deepcopy(build(K8S))
+    resources = copy.deepcopy(build(BASE))
     break_it, expected = REFERENCE_BREAKS[name]
     break_it(resources)
     found = problems(resources)
@@ -377,9 +382,68 @@ def test_a_broken_tls_probe_fails_the_cross_checks():
 
 def test_a_patch_that_misses_its_target_fails(tmp_path):
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
-        {"resources": [str(K8S)], "patches": [{"path": "p.yaml"}]}))
+        {"resources": [str(BASE)], "patches": [{"path": "p.yaml"}]}))
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "specd-verifer"}}))
     with pytest.raises(ValueError, match="specd-verifer"):
         build(tmp_path)
     assert load_docs(tmp_path / "p.yaml")
+
+
+# ---- against the real kustomize, where one is installed ------------------------------------
+
+KUSTOMIZE = shutil.which("kubectl") or shutil.which("kustomize")
+
+
+def real_build(directory: Path, tmp: Path) -> list[dict]:
+    """`kustomize build` of a copy of deploy/k8s with placeholder secret files."""
+    tree = tmp / "k8s"
+    if not tree.exists():
+        shutil.copytree(K8S, tree)
+        for path in ("base/secrets/auth-token", "overlays/tls/secrets/ca.crt", "overlays/tls/secrets/tls.crt",
+                     "overlays/tls/secrets/tls.key"):
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_text("placeholder\n")
+    cmd = [KUSTOMIZE, "kustomize"] if KUSTOMIZE.endswith("kubectl") else [KUSTOMIZE, "build"]
+    done = subprocess.run([*cmd, str(tree / directory.relative_to(K8S))], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def _unhashed(resources: list[dict]) -> list[dict]:
+    """Generated names lose kustomize's content hash (and references follow), namespaces go."""
+    out = copy.deepcopy(resources)
+    hashed = {r["metadata"]["name"]: re.sub(r"-[a-z0-9]{10}$", "", r["metadata"]["name"])
+              for r in out if r["kind"] in ("Secret", "ConfigMap")}
+    text = json.dumps(out)
+    for name, plain in hashed.items():
+        text = text.replace(f'"{name}"', f'"{plain}"')
+    out = json.loads(text)
+    for r in out:
+        r["metadata"].pop("namespace", None)
+    return out
+
+
+def _sorted_merge_lists(value, field: str = ""):
+    """Lists merged by key in key order: kustomize puts the items a patch adds first, which changes nothing."""
+    if isinstance(value, dict):
+        return {k: _sorted_merge_lists(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_sorted_merge_lists(v) for v in value]
+        return sorted(items, key=lambda i: str(i[MERGE_KEYS[field]])) if field in MERGE_KEYS else items
+    return value
+
+
+@pytest.mark.skipif(KUSTOMIZE is None, reason="no kubectl or kustomize on PATH")
+@pytest.mark.parametrize("directory", BUILDS, ids=_id)
+def test_real_kustomize_builds_the_same(directory, tmp_path_factory):
+    real = real_build(directory, tmp_path_factory.getbasetemp())
+    validate_all(real, K8S_VERSIONS[-1])
+    assert problems(real) == []
+    real, lite = _unhashed(real), build(directory)
+    key = lambda r: (r["kind"], r["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, real)) == sorted(map(key, lite))
+    lite_by_key = {key(r): r for r in lite}
+    for r in real:  # the patches merged as kustomize merges them
+        if r["kind"] in WORKLOADS:
+            assert _sorted_merge_lists(r["spec"]) == _sorted_merge_lists(lite_by_key[key(r)]["spec"]), key(r)
