@@ -6,7 +6,7 @@ import argparse
 import json
 
 HELP = "list, add, remove or swap (Docker) the verifier's drafters at runtime"
-STATUS_FIELDS = ("name", "address", "method", "state", "acceptance_rate", "draft_tokens", "propose_p50_ms",
+STATUS_FIELDS = ("name", "address", "method", "state", "trusted", "acceptance_rate", "draft_tokens", "propose_p50_ms",
                  "timeouts", "last_error")
 
 

@@ -5,11 +5,15 @@
 2. Start the new container on the same network (or --network), with the old one's network
    aliases (so `drafter-dm` keeps naming the draft-model drafter: Prometheus and a restarted
    verifier find the replacement), its compose labels (so `docker compose down` removes it),
-   its OTEL_*/SPECD_* environment and its command line with --name/--method/--model replaced.
-3. Wait for grpc.health.v1 SERVING, checked with `docker exec` inside the new container, which
-   works wherever the Docker API does (no route from the host to container IPs needed).
-4. RegisterDrafter(new, "<container name>:<port>") at the verifier: it reaches the new drafter
-   by container name on the shared network.
+   its OTEL_*/SPECD_* environment, its secrets (the files mounted under /run/secrets/, e.g. by
+   compose.secure.yaml), its healthcheck and its command line with --name/--method/--model
+   replaced: so it holds the stack's shared secret and TLS material as the old one did.
+3. Wait for grpc.health.v1 SERVING, checked with `docker exec` inside the new container (the
+   old container's healthcheck command, which knows its TLS, else a plain check), which works
+   wherever the Docker API does (no route from the host to container IPs needed).
+4. RegisterDrafter(new, "<container name>:<port>", trusted as the old one was) at the verifier:
+   it reaches the new drafter by container name on the shared network, and a trusted one must
+   prove there that it holds the secret.
 5. RemoveDrafter(old, drain), then stop and remove the old container.
 Until step 4 succeeds nothing changed for the verifier: if the new container exits, never
 gets healthy within --health-timeout, or the verifier refuses it, the new container is stopped
@@ -26,6 +30,7 @@ HEALTH_CODE = ("import sys, grpc; from grpc_health.v1 import health_pb2 as h, he
                "c = grpc.insecure_channel('127.0.0.1:{port}'); "
                "sys.exit(g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=3).status != h.HealthCheckResponse.SERVING)")
 COMPOSE_LABEL = "com.docker.compose."
+SECRETS_DIR = "/run/secrets/"
 NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
 
 
@@ -89,11 +94,14 @@ def swap(args, stub) -> int:
     aliases = _aliases(old, network) if old is not None else []
     env = {k: v for k, v in (_env(old).items() if old is not None else ()) if k.startswith(("OTEL_", "SPECD_"))}
     restart = (old.attrs["HostConfig"].get("RestartPolicy") or {}) if old is not None else {}
+    volumes = secret_volumes(old.attrs.get("Mounts") or []) if old is not None else {}
+    healthcheck = (old.attrs["Config"].get("Healthcheck") or None) if old is not None else None
 
     t0 = time.monotonic()
     try:
         new = client.containers.run(
-            args.image, command, name=container_name, detach=True, environment=env,
+            args.image, command, name=container_name, detach=True, environment=env, volumes=volumes,
+            healthcheck=healthcheck,
             labels={**labels, "specd.swap.replaces": args.old},
             network=network,
             networking_config={network: client.api.create_endpoint_config(aliases=aliases or None)},
@@ -104,16 +112,16 @@ def swap(args, stub) -> int:
 
     address = f"{container_name}:{port}"
     try:
-        wait_healthy(new, port, args.health_timeout)
+        wait_healthy(new, health_command(healthcheck, port), args.health_timeout)
         print(f"{container_name} is SERVING after {time.monotonic() - t0:.1f} s", flush=True)
-        _rpc(lambda: stub.RegisterDrafter(pb.RegisterDrafterRequest(name=new_name, address=address),
-                                          timeout=max(args.timeout, 60.0)))
+        request = register_request(drafters[args.old], new_name, address)
+        _rpc(lambda: stub.RegisterDrafter(request, timeout=max(args.timeout, 60.0)))
     except BaseException as e:  # Ctrl-C included: never leave a half-started drafter behind
         _remove(new)
         if not isinstance(e, Exception):
             raise
         raise RuntimeError(f"{_first_line(e)}; rolled back: {container_name} removed, {args.old} still serves") from None
-    print(f"registered {new_name} at {address}", flush=True)
+    print(f"registered {new_name} at {address}" + (" (trusted)" if request.trusted else ""), flush=True)
 
     try:
         _rpc(lambda: stub.RemoveDrafter(pb.RemoveDrafterRequest(name=args.old, drain=True),
@@ -138,6 +146,14 @@ def next_name(old: str, taken: set[str]) -> str:
     while f"{base}-{n}" in taken:
         n += 1
     return f"{base}-{n}"
+
+
+def register_request(old, name: str, address: str):
+    """RegisterDrafter for the new drafter, trusted as the old one (a DrafterStatus) was: the
+    verifier then challenges it to prove it holds the stack's secret, as it did the old one."""
+    from specd.v1 import verifier_pb2 as pb
+
+    return pb.RegisterDrafterRequest(name=name, address=address, trusted=old.trusted)
 
 
 def split_host(address: str) -> str:
@@ -235,16 +251,34 @@ def _env(container) -> dict[str, str]:
     return dict(e.split("=", 1) for e in container.attrs["Config"]["Env"] or [] if "=" in e)
 
 
-def wait_healthy(container, port: int, timeout: float) -> None:
+def secret_volumes(mounts: list[dict]) -> dict[str, dict]:
+    """The old container's bind mounts under /run/secrets/ (Compose file secrets are bind mounts),
+    as the Docker SDK's `volumes` argument, read-only: its --auth-token-file and --tls-* flags,
+    which the new command keeps, point there. Other mounts stay behind."""
+    return {m["Source"]: {"bind": m["Destination"], "mode": "ro"} for m in mounts
+            if m.get("Type") == "bind" and m.get("Destination", "").startswith(SECRETS_DIR)}
+
+
+def health_command(healthcheck: dict | None, port: int) -> list[str]:
+    """What `docker exec` runs to see the new drafter SERVING: the old container's healthcheck
+    (compose's, with the CA where the drafter serves TLS), else a plaintext gRPC health check."""
+    test = (healthcheck or {}).get("Test") or []
+    if test[:1] == ["CMD"] and len(test) > 1:
+        return list(test[1:])
+    if test[:1] == ["CMD-SHELL"] and len(test) == 2:
+        return ["/bin/sh", "-c", test[1]]
+    return ["python", "-c", HEALTH_CODE.format(port=port)]  # none, or NONE (disabled)
+
+
+def wait_healthy(container, command: list[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    code = HEALTH_CODE.format(port=port)
     while True:
         container.reload()
         if container.status not in ("created", "running"):
             logs = container.logs(tail=5).decode(errors="replace").strip().splitlines()
             raise RuntimeError(f"{container.name} exited ({container.attrs['State'].get('ExitCode')})"
                                + (f": {logs[-1]}" if logs else ""))
-        if container.status == "running" and container.exec_run(["python", "-c", code]).exit_code == 0:
+        if container.status == "running" and container.exec_run(command).exit_code == 0:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"{container.name} not SERVING within {timeout:g} s")
