@@ -3,6 +3,8 @@ the Kubernetes OpenAPI schema of the versions below (kubernetes-validate, schema
 offline), strictly (an unknown field fails), and its cross-references hold: Service selectors
 and ports, probe ports, volumes, Secrets and their keys, the model paths the fetch initContainer
 fills, and each container's arguments, parsed by specd's own CLI parser. Broken copies must fail.
+Where kubectl (or kustomize) is installed, the real `kustomize build` is checked the same way and
+must agree with kustomize_lite's.
 """
 from __future__ import annotations
 
