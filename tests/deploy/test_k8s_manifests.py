@@ -2,27 +2,24 @@
 the Kubernetes OpenAPI schema of the versions below (kubernetes-validate, schemas bundled:
 offline), strictly (an unknown field fails), and its cross-references hold: Service selectors
 and ports, probe ports, volumes, Secrets and their keys, the model paths the fetch initContainer
-fills, and each container's arguments, parsed by specd's own CLI parser. Broken copies must fail.
-Where kubectl (or kustomize) is installed, the real `kustomize build` is checked the same way and
+fills, and each container's arguments, parsed by specd's own CLI parser (k8s_checks.py). Broken
+copies must fail. Where kubectl (or kustomize) is installed, the real `kustomize build` is checked the same way and
 must agree with kustomize_lite's.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
-import posixpath
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from k8s_checks import WORKLOADS, parse_cli, problems
 from kustomize_lite import MERGE_KEYS, build, kustomization, load_docs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,227 +30,10 @@ BASE = K8S / "base"
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 BUILDS = [BASE, *OVERLAYS]
-WORKLOADS = {"Deployment", "StatefulSet"}
-FILE_FLAGS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "ssl_certfile", "ssl_keyfile")
-# Which image runs which subcommand (compose.yaml builds them; `models fetch` needs torch).
-IMAGES = {"verifier": {"specd-verifier"}, "drafter": {"specd-drafter"}, "gateway": {"specd-gateway"},
-          "models": {"specd-verifier", "specd-drafter"}}
 
 
 def _id(path: Path) -> str:
     return str(path.relative_to(K8S))
-
-
-def parse_cli(args: list[str]):
-    """(namespace, None) or (None, the parser's error) from specd's real argument parser."""
-    from specd.cli import build_parser
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            return build_parser().parse_args(args), None
-        except SystemExit:
-            return None, err.getvalue().strip() or "exit"
-
-
-def _port(container: dict, port) -> int | None:
-    """A probe's or Service's port (number or name) as a containerPort of container, else None."""
-    for p in container.get("ports", []):
-        if port in (p["containerPort"], p.get("name")):
-            return p["containerPort"]
-    return None
-
-
-def _mount_of(container: dict, path: str) -> dict | None:
-    """The volumeMount whose mountPath holds path."""
-    for m in container.get("volumeMounts", []):
-        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"):
-            return m
-    return None
-
-
-def problems(resources: list[dict]) -> list[str]:
-    """Every broken cross-reference among resources (one stack, one namespace)."""
-    from specd import model_store
-    from specd.verifier.drafter_pool import DrafterPool
-
-    out: list[str] = []
-    by_kind = lambda kind: [r for r in resources if r["kind"] == kind]  # noqa: E731
-    secrets = {r["metadata"]["name"]: set(r.get("data", {})) | set(r.get("stringData", {})) for r in by_kind("Secret")}
-    configmaps = {r["metadata"]["name"]: set(r.get("data", {})) for r in by_kind("ConfigMap")}
-    workloads = [r for r in resources if r["kind"] in WORKLOADS]
-    services = {r["metadata"]["name"]: r for r in by_kind("Service")}
-    verifier_models: list[str] = []
-    gateway_pods: list[tuple[str, dict]] = []
-
-    # Services: the selector picks exactly one workload's pods; each targetPort is a port of its container.
-    for name, svc in services.items():
-        selector = svc["spec"].get("selector") or {}
-        picked = [w for w in workloads if selector and selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
-        if len(picked) != 1:
-            out.append(f"Service {name}: selector {selector} matches {len(picked)} workloads")
-            continue
-        containers = picked[0]["spec"]["template"]["spec"]["containers"]
-        for port in svc["spec"]["ports"]:
-            target = port.get("targetPort", port["port"])
-            if not any(_port(c, target) for c in containers):
-                out.append(f"Service {name}: targetPort {target} is no container port of {picked[0]['metadata']['name']}")
-
-    for w in workloads:
-        wname = w["metadata"]["name"]
-        pod = w["spec"]["template"]
-        spec = pod["spec"]
-        labels = pod["metadata"].get("labels", {})
-        if not w["spec"]["selector"]["matchLabels"].items() <= labels.items():
-            out.append(f"{wname}: selector does not match its pod labels")
-        volumes = {v["name"]: v for v in spec.get("volumes", [])}
-        volumes.update({t["metadata"]["name"]: {"persistentVolumeClaim": t} for t in w["spec"].get("volumeClaimTemplates", [])})
-        if w["kind"] == "StatefulSet":
-            svc = services.get(w["spec"]["serviceName"])
-            if svc is None or svc["spec"].get("clusterIP") != "None":
-                out.append(f"{wname}: serviceName {w['spec']['serviceName']} is no headless Service")
-        for v in volumes.values():
-            if "secret" in v and v["secret"]["secretName"] not in secrets:
-                out.append(f"{wname}: volume {v['name']} needs Secret {v['secret']['secretName']}, which is not defined")
-            if "configMap" in v and v["configMap"]["name"] not in configmaps:
-                out.append(f"{wname}: volume {v['name']} needs ConfigMap {v['configMap']['name']}, which is not defined")
-        # Models written by `specd models fetch` in an initContainer: volume name -> SPECD_CACHE it used.
-        fetched: dict[str, str] = {}
-        for c in spec.get("initContainers", []):
-            ns, _ = parse_cli(c.get("args", []))
-            env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            cache = env.get("SPECD_CACHE")
-            m = _mount_of(c, cache) if cache else None
-            if ns is not None and ns.command == "models" and ns.models_command == "fetch":
-                if m is None or m.get("readOnly") or m["mountPath"] != cache:
-                    out.append(f"{wname}/{c['name']}: `models fetch` needs SPECD_CACHE set to a writable volume mount")
-                else:
-                    fetched[m["name"]] = cache
-        annotations = pod["metadata"].get("annotations", {})
-        if annotations.get("prometheus.io/scrape") != "true":
-            out.append(f"{wname}: no prometheus.io/scrape annotation on its pod template")
-        scrape_port = int(annotations.get("prometheus.io/port", 0))
-        if not any(_port(c, scrape_port) for c in spec["containers"]):
-            out.append(f"{wname}: prometheus.io/port {scrape_port} is no container port")
-
-        for c in spec.get("initContainers", []) + spec["containers"]:
-            where = f"{wname}/{c['name']}"
-            for m in c.get("volumeMounts", []):
-                if m["name"] not in volumes:
-                    out.append(f"{where}: mounts volume {m['name']}, which the pod does not have")
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                probe = c.get(kind)
-                if probe is None:
-                    continue
-                handlers = [h for h in ("grpc", "httpGet", "tcpSocket", "exec") if h in probe]
-                if len(handlers) != 1:
-                    out.append(f"{where}: {kind} has {len(handlers)} handlers {handlers}")
-                for h in handlers[:1]:
-                    if h != "exec" and _port(c, probe[h]["port"]) is None:
-                        out.append(f"{where}: {kind} port {probe[h]['port']} is no container port")
-                    if h == "exec":  # the script and the files it is given must be mounted
-                        for arg in probe["exec"]["command"]:
-                            out += _file_problems(f"{where}: {kind}", arg, c, volumes, secrets, configmaps)
-            ns, error = parse_cli(c.get("args", []))
-            if ns is None:
-                out.append(f"{where}: specd rejects its arguments: {error}")
-                continue
-            image = c["image"].rpartition(":")[0] if ":" in c["image"] else c["image"]
-            if image not in IMAGES.get(ns.command, set()):
-                out.append(f"{where}: `specd {ns.command}` in image {c['image']}")
-            for flag in FILE_FLAGS:
-                path = getattr(ns, flag, None)
-                if path is not None:
-                    out += _file_problems(f"{where}: --{flag.replace('_', '-')}", path, c, volumes, secrets,
-                                          configmaps, required=True)
-            if ns.command in ("verifier", "drafter", "gateway"):
-                if ns.host != "0.0.0.0":
-                    out.append(f"{where}: listens on {ns.host}, unreachable from other pods")
-                if _port(c, ns.port) is None:
-                    out.append(f"{where}: --port {ns.port} is no container port")
-            if ns.command in ("verifier", "drafter"):
-                if ns.metrics_port is None or ns.metrics_port != scrape_port:
-                    out.append(f"{where}: --metrics-port {ns.metrics_port} is not prometheus.io/port {scrape_port}")
-            elif ns.command == "gateway" and ns.port != scrape_port:
-                out.append(f"{where}: /metrics is on --port {ns.port}, prometheus.io/port says {scrape_port}")
-            model = getattr(ns, "model", None)
-            if ns.command in ("verifier", "drafter") and (ns.command == "verifier" or ns.method == "draft_model"):
-                expected = model_store.TARGET_NAME if ns.command == "verifier" else model_store.DRAFTER_NAME
-                m = _mount_of(c, model or "")
-                if m is None or m["name"] not in fetched or \
-                        posixpath.relpath(model, fetched[m["name"]]) != f"models/{expected}":
-                    out.append(f"{where}: --model {model} is not where `specd models fetch` puts {expected}")
-            if ns.command == "verifier":
-                verifier_models.append(model)
-                startup = ns.drafter + ns.trusted_drafter
-                allowed = SimpleNamespace(allowed_addresses=ns.allow_drafter_address or [])
-                for name, address in startup:
-                    out += _address_problems(where, f"drafter {name}", address, services, workloads)
-                    if ns.allow_drafter_address is not None:
-                        try:
-                            DrafterPool.check_address(allowed, address)
-                        except PermissionError as e:
-                            out.append(f"{where}: {e}")
-                for svc in services:
-                    if svc.startswith("specd-drafter-") and ns.allow_drafter_address is not None:
-                        try:
-                            DrafterPool.check_address(allowed, f"{svc}:50061")
-                        except PermissionError:
-                            out.append(f"{where}: --allow-drafter-address does not admit Service {svc}")
-            if ns.command == "gateway":
-                # one address, or (with replica routing) a list of them, each possibly comma-separated
-                addresses = [a for v in (ns.verifier if isinstance(ns.verifier, list) else [ns.verifier])
-                             for a in v.split(",")]
-                for address in addresses:
-                    out += _address_problems(where, "--verifier", address, services, workloads)
-                # every verifier replica is listed, or it would sit idle
-                for sts in (w for w in workloads if w["kind"] == "StatefulSet" and any(
-                        a.startswith(f"{w['metadata']['name']}-") for a in addresses)):
-                    wanted = {f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
-                              for i in range(sts["spec"]["replicas"])}
-                    missing = wanted - {a.rpartition(":")[0] for a in addresses}
-                    if missing:
-                        out.append(f"{where}: --verifier does not list replicas {sorted(missing)}")
-                gateway_pods.append((where, {"c": c, "fetched": fetched}))
-    # The gateway loads the tokenizer from the path the verifier reports (its --model).
-    for where, pod in gateway_pods:
-        for model in verifier_models:
-            m = _mount_of(pod["c"], model or "")
-            if m is None or m["name"] not in pod["fetched"]:
-                out.append(f"{where}: the verifier's model {model} (its tokenizer) is not fetched into this pod")
-    return out
-
-
-def _file_problems(what: str, path: str, container: dict, volumes: dict, secrets: dict, configmaps: dict,
-                   required: bool = False) -> list[str]:
-    """path must be a key of the Secret/ConfigMap mounted over it (required: and be on such a mount)."""
-    m = _mount_of(container, path) if path.startswith("/") else None
-    vol = volumes.get(m["name"]) if m else None
-    source = vol and (vol.get("secret") or vol.get("configMap"))
-    if not source:
-        return [f"{what} {path} is on no Secret/ConfigMap mount"] if required else []
-    key = posixpath.relpath(path, m["mountPath"])
-    items = {i["path"]: i["key"] for i in source.get("items", [])}
-    key = items.get(key, key if not items else None)
-    keys = secrets.get(source.get("secretName"), configmaps.get(source.get("name"), set()))
-    return [] if key in keys else [f"{what} {path}: no such key in its Secret/ConfigMap"]
-
-
-def _address_problems(where: str, what: str, address: str, services: dict, workloads: list[dict]) -> list[str]:
-    """address is SERVICE:PORT, or POD.SERVICE:PORT for a StatefulSet's pod behind its headless Service."""
-    host, _, port = address.rpartition(":")
-    pod, _, svc_name = host.rpartition(".") if "." in host else ("", "", host)
-    svc = services.get(svc_name)
-    if svc is None:
-        return [f"{where}: {what} {address}: no Service named {svc_name}"]
-    if pod:
-        pods = {f"{w['metadata']['name']}-{i}" for w in workloads
-                if w["kind"] == "StatefulSet" and w["spec"]["serviceName"] == svc_name for i in range(w["spec"]["replicas"])}
-        if svc["spec"].get("clusterIP") != "None" or pod not in pods:
-            return [f"{where}: {what} {address}: no replica {pod} behind headless Service {svc_name}"]
-    if int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
-        return [f"{where}: {what} {address}: Service {host} has no port {port}"]
-    return []
 
 
 def validate_all(resources: list[dict], version: str) -> None:
