@@ -181,6 +181,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         spec = self.speculator
         if spec is not None:
+            self.runner.capture_layers = spec.feature_layers
             budget_left = self.scheduler.max_num_batched_tokens - sum(e.num_new_tokens for e in batch)
             self.scheduler.attach_drafts(batch, spec.propose(batch, budget_left))
         t1 = time.perf_counter()
@@ -193,7 +194,7 @@ class LLMEngine:
             spec.observe(batch, out.num_accepted)
             spec.controller.observe_verify(num_tokens, t2 - t1)
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
-        finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits))
+        finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features)
         for seq in finished:
             self._release(seq)
         return finished

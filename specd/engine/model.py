@@ -150,14 +150,30 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         logits_indices: torch.Tensor,  # [N] rows of the flattened batch that need logits
-    ) -> torch.Tensor:  # [N, vocab] float32
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, vocab] float32; with `capture`, also the hidden states of every token of
+        the step at those indices (Hugging Face's output_hidden_states convention: j < L is the
+        residual stream entering layer j, L the final normed state), concatenated [T, len * H].
+        They come from this same forward: hidden-state drafters cost no second pass."""
         x = self.model.embed_tokens(token_ids)
         cos_sin = self.rotary(positions)  # once per step, shared by all layers
-        for layer, kv in zip(self.model.layers, kv_caches):
+        L = len(self.model.layers)
+        captured = {}
+        for j, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            if j in capture:
+                captured[j] = x
             x = layer.forward(x, cos_sin, kv, meta)
-        x = self.model.norm.forward(x.index_select(0, logits_indices))
+        if L in capture:
+            x = self.model.norm.forward(x)
+            captured[L] = x
+            x = x.index_select(0, logits_indices)
+        else:
+            x = self.model.norm.forward(x.index_select(0, logits_indices))
         logits = self.head.forward(x).float()
-        if self.head_ids is None:
+        if self.head_ids is not None:
+            full = logits.new_full((x.shape[0], self.config.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.head_ids, logits)
+        if not capture:
             return logits
-        full = logits.new_full((x.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.head_ids, logits)
+        return logits, torch.cat([captured[j] for j in capture], dim=-1)

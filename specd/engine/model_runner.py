@@ -16,6 +16,10 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
+        # Hidden states hidden-state drafters need (see CausalLM.forward); after each run,
+        # `features` holds them for every token of the step, in batch order.
+        self.capture_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zero-filled, not empty: padded key slots are masked, but 0 * NaN garbage would still be NaN.
         self.kv_caches = [
@@ -69,7 +73,11 @@ class ModelRunner:
             token_seq=seq_of,
             token_pos=positions,
         )
-        return self.model(tok, positions, meta, self.kv_caches, logits_rows)
+        if not self.capture_layers:
+            self.features = None
+            return self.model(tok, positions, meta, self.kv_caches, logits_rows)
+        logits, self.features = self.model(tok, positions, meta, self.kv_caches, logits_rows, self.capture_layers)
+        return logits
 
     def _contiguous_start(self, batch: list[ScheduledSeq], context_len: int) -> int | None:
         if len(batch) != 1:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from specd.engine.block_manager import BlockManager
+from specd.engine.features import FeatureRows
 from specd.engine.sequence import Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -109,22 +113,31 @@ class Scheduler:
                 e.num_new_tokens = e.num_logits = 1 + len(d.token_ids)
 
     def postprocess(self, batch: list[ScheduledSeq], sampled: list[list[int]],
-                    logprobs: LogprobsRecorder | None = None) -> list[Sequence]:
+                    logprobs: LogprobsRecorder | None = None, features: torch.Tensor | None = None
+                    ) -> list[Sequence]:
         """Commit a step: sampled[i] are the tokens of the i-th entry with logits (accepted
-        drafts, then one). Returns the sequences that finished in it."""
-        finished, row, i = [], 0, 0
+        drafts, then one). features: the step's captured hidden states [T, F], one row per
+        forwarded token in batch order; the committed positions' rows are kept with their KV.
+        Returns the sequences that finished in it."""
+        finished, row, i, token_row = [], 0, 0, 0
         for entry in batch:
-            seq = entry.seq
-            if not entry.num_logits:
-                seq.num_computed_tokens += entry.num_new_tokens
-                continue
-            tokens = sampled[i]
-            # KV is valid for the last committed token plus the accepted drafts; rejected
-            # slots are rolled back (the newest token's KV is computed next step).
-            rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
-            seq.num_computed_tokens += entry.num_new_tokens - rejected
-            if rejected:
+            seq, start = entry.seq, entry.seq.num_computed_tokens
+            committed = entry.num_new_tokens
+            if entry.num_logits:
+                tokens = sampled[i]
+                # KV is valid for the last committed token plus the accepted drafts; rejected
+                # slots are rolled back (the newest token's KV is computed next step).
+                committed -= len(entry.draft_token_ids) - (len(tokens) - 1)
+            seq.num_computed_tokens += committed
+            if committed < entry.num_new_tokens:
                 self.blocks.truncate(seq, seq.num_computed_tokens)
+            if features is not None:
+                if seq.features is None:
+                    seq.features = FeatureRows()
+                seq.features.write(start, features[token_row: token_row + committed])
+            token_row += entry.num_new_tokens
+            if not entry.num_logits:
+                continue
             for j, token in enumerate(tokens):
                 seq.output_token_ids.append(token)
                 if logprobs is not None:

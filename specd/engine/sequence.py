@@ -35,6 +35,7 @@ class Sequence:
         self.stop_checker: Any = None  # specd.detokenizer.StopChecker when params.stop is set
         self.spec_stats = SpecStats()
         self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
+        self.features: Any = None  # specd.engine.features.FeatureRows when a drafter wants hidden states
 
     @property
     def token_ids(self) -> list[int]:

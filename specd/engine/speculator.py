@@ -29,6 +29,12 @@ class Speculator:
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states the proposer wants (specd/proposers/base.py); () for none.
+        Read every step: a drafter pool's answer changes as hidden-state drafters come and go."""
+        return tuple(getattr(self.proposer, "feature_layers", None) or ())
+
     # -- propose ---------------------------------------------------------------
     @property
     def mode(self) -> dict:
@@ -49,16 +55,24 @@ class Speculator:
         ks = self.controller.choose([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
                                     base_tokens)
         requests, entries = [], []
+        layers = self.feature_layers
         for e, k in zip(decoding, ks):
             if k <= 0:
                 continue
             seq = e.seq
             full = seq.spec_sent == 0
             length = len(seq)
+            features = None
+            if layers:
+                # The state that predicted each new token (position before it); none for token 0.
+                features = self._features(seq, 0 if full else seq.spec_sent - 1, length - 1)
+                if features is None:
+                    continue
             requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=seq.token_slice(seq.spec_sent, length),
                                            num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
-                                           temperature=seq.params.temperature, seed=seq.params.seed))
+                                           temperature=seq.params.temperature, seed=seq.params.seed,
+                                           features=features))
             entries.append(e)
             seq.spec_sent = length
         if not requests:
@@ -81,6 +95,14 @@ class Speculator:
             if drafts:
                 out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method)
         return out
+
+    @staticmethod
+    def _features(seq: Sequence, start: int, end: int):
+        """Feature rows [start, end) of seq, or None where they were never captured (it was
+        prefilled before a hidden-state drafter came): such a sequence decodes without drafts."""
+        if seq.features is None or seq.features.num_rows < end:
+            return None
+        return seq.features.rows(start, end)
 
     def _fixed_k(self, seq: Sequence) -> int | None:
         """The request's own k, if any; seeded requests always draft at full k (batch-independent)."""
