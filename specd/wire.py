@@ -34,3 +34,42 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:
     return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens}
+
+
+# Hidden states travel as raw little-endian bytes: bf16 has no numpy dtype, so it goes as its
+# 16-bit pattern. Only these dtypes are accepted from the wire.
+FEATURE_DTYPES = ("bfloat16", "float16", "float32")
+# Rows per message, by bytes: a long prompt's features are sent in several entries under this.
+MAX_FEATURE_BYTES = 8 << 20
+
+
+def tensor_to_proto(t, msg) -> None:
+    """Fill a drafter_pb2.Tensor from a 2-D CPU or GPU tensor."""
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in FEATURE_DTYPES:
+        t, name = t.float(), "float32"
+    raw = t.detach().contiguous().cpu()
+    raw = raw.view(torch.int16) if name == "bfloat16" else raw
+    msg.data = raw.numpy().tobytes()
+    msg.shape[:] = list(t.shape)
+    msg.dtype = name
+
+
+def tensor_from_proto(msg):
+    """The tensor a drafter_pb2.Tensor holds; ValueError when its dtype, shape and size disagree."""
+    import torch
+
+    if msg.dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype {msg.dtype!r} is not one of {', '.join(FEATURE_DTYPES)}")
+    dtype = getattr(torch, msg.dtype)
+    shape = list(msg.shape)
+    if len(shape) != 2:
+        raise ValueError(f"features must be 2-D [rows, width], got shape {shape}")
+    if len(msg.data) != shape[0] * shape[1] * dtype.itemsize:
+        raise ValueError(f"features of shape {shape} in {msg.dtype} need {shape[0] * shape[1] * dtype.itemsize} "
+                         f"bytes, got {len(msg.data)}")
+    if not msg.data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)

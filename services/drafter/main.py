@@ -68,7 +68,18 @@ def build_proposer(args):
     info = drafter_pb2.DrafterInfoResponse(name=args.name or args.method, method=args.method, model=model or "",
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)
+    describe_features(proposer, info)
     return proposer, info
+
+
+def describe_features(proposer, info) -> None:
+    """A hidden-state proposer's needs, in Info: the verifier checks them against its target."""
+    layers = tuple(getattr(proposer, "feature_layers", None) or ())
+    if layers:
+        info.feature_layers.extend(layers)
+        info.hidden_size = proposer.hidden_size
+        info.target_layers = proposer.target_layers
+        info.target_fingerprint = getattr(proposer, "target_fingerprint", "") or ""
 
 
 def run(args) -> int:

@@ -21,9 +21,10 @@ import grpc
 from opentelemetry import trace
 
 from specd.auth import drafter_proof
-from specd.proposers.base import ProposeRequest
+from specd.proposers.base import ProposeRequest, feature_rows
 from specd.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd.wire import tensor_from_proto
 
 log = logging.getLogger("specd.drafter")
 _tracer = tracer("specd.drafter")
@@ -175,21 +176,39 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         requests, answered, unknown = [], [], set()
         for i, e in enumerate(batch.entries):
             too_long = e.num_tokens > lim.max_history_tokens or len(e.new_tokens) > e.num_tokens
-            if too_long or len(requests) >= lim.max_sequences:
+            features = self._features(e)
+            if too_long or features is False or len(requests) >= lim.max_sequences:
                 released += self.keys.pop(batch.client_id, [e.seq_id])
             elif not e.full_history and (batch.client_id, e.seq_id) not in self.keys.internal:
                 unknown.add(i)
             else:
-                requests.append(self._request(batch.client_id, e))
+                requests.append(self._request(batch.client_id, e, features))
                 answered.append(i)
         released += self.keys.evict(lim.max_sequences, lim.max_total_tokens, keep={r.seq_id for r in requests})
         return requests, answered, unknown
 
-    def _request(self, client: str, e: drafter_pb2.ProposeEntry) -> ProposeRequest:
+    def _request(self, client: str, e: drafter_pb2.ProposeEntry, features=None) -> ProposeRequest:
         return ProposeRequest(seq_id=self.keys.get(client, e.seq_id, e.num_tokens), new_tokens=list(e.new_tokens),
                               num_tokens=e.num_tokens, k=min(e.k, self.limits.max_k), full_history=e.full_history,
                               temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
-                              num_prompt_tokens=e.num_prompt_tokens or None)
+                              num_prompt_tokens=e.num_prompt_tokens or None, features=features)
+
+    def _features(self, e: drafter_pb2.ProposeEntry):
+        """The entry's hidden states (None when this drafter takes none), or False when they are
+        missing or malformed: the rows must be one per new token that has a predicting state
+        (one fewer for a full history), as wide as the layers this drafter declared."""
+        width = len(self.info.feature_layers) * self.info.hidden_size
+        if not width:
+            return None
+        rows = feature_rows(e)  # a ProposeEntry has the fields a ProposeRequest has
+        if not e.HasField("features"):
+            return False
+        try:
+            t = tensor_from_proto(e.features)
+        except ValueError as err:
+            log.warning("dropping a sequence with malformed features: %s", err)
+            return False
+        return t if tuple(t.shape) == (rows, width) else False
 
     def _propose(self, requests: list[ProposeRequest], released: list[int]):
         if released:

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import grpc
 
@@ -63,11 +64,46 @@ def check_vocabulary(info: drafter_pb2.DrafterInfoResponse, vocab_size: int, voc
                                  f"be meaningless token ids")
 
 
+@dataclass(frozen=True)
+class FeatureTarget:
+    """What a hidden-state drafter's head must have been built for: this verifier's target."""
+
+    hidden_size: int
+    num_layers: int
+    fingerprint: str  # specd.engine.fingerprint of the loaded weights
+
+
+class FeatureMismatch(ValueError):
+    pass
+
+
+def check_features(info: drafter_pb2.DrafterInfoResponse, target: FeatureTarget | None) -> None:
+    """A hidden-state drafter must be built for this target: the same hidden size and layer
+    count (its feature_layers index our layers), and, where both know it, the same weights."""
+    if not info.feature_layers:
+        return
+    name = repr(info.name)
+    if target is None:
+        raise FeatureMismatch(f"drafter {name} needs the target's hidden states, which this verifier does not send")
+    if info.hidden_size != target.hidden_size or info.target_layers != target.num_layers:
+        raise FeatureMismatch(f"drafter {name} was built for a target with hidden size {info.hidden_size} and "
+                              f"{info.target_layers} layers; this target has {target.hidden_size} and "
+                              f"{target.num_layers}")
+    bad = [j for j in info.feature_layers if j > target.num_layers]
+    if bad:
+        raise FeatureMismatch(f"drafter {name} asks for hidden states {bad}; this target has 0..{target.num_layers}")
+    if info.target_fingerprint and target.fingerprint and info.target_fingerprint != target.fingerprint:
+        raise FeatureMismatch(f"drafter {name} was trained for other target weights (fingerprint "
+                              f"{info.target_fingerprint[:12]} != this target's {target.fingerprint[:12]}); "
+                              f"its head would read hidden states it never saw")
+
+
 class DrafterClient:
     def __init__(self, name: str, address: str, client_id: str, timeout_s: float,
-                 vocab_size: int, vocab_hash: str, security: Security | None = None, trusted: bool = False):
+                 vocab_size: int, vocab_hash: str, security: Security | None = None, trusted: bool = False,
+                 target: FeatureTarget | None = None):
         self.name, self.address, self.client_id, self.timeout_s = name, address, client_id, timeout_s
-        self.vocab_size, self.vocab_hash = vocab_size, vocab_hash
+        self.vocab_size, self.vocab_hash, self.target = vocab_size, vocab_hash, target
         self.security = security or Security()
         if trusted and not self.security.secret:
             raise TrustUnavailable(f"drafter {name!r} cannot be trusted: trust needs authentication, and this verifier "
@@ -97,6 +133,10 @@ class DrafterClient:
         return self.state == "healthy"
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.info.feature_layers) if self.info else ()
+
+    @property
     def max_k(self) -> int:
         return self.info.max_k if self.info and self.info.max_k else 1 << 30
 
@@ -110,6 +150,7 @@ class DrafterClient:
         info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(challenge=challenge), timeout=timeout,
                                     wait_for_ready=wait_for_ready)
         check_vocabulary(info, self.vocab_size, self.vocab_hash)
+        check_features(info, self.target)
         if self.trusted and not check_proof(self.security.secret, challenge, info.proof):
             raise TrustRefused(f"drafter {self.name!r} at {self.address} did not prove it holds the shared secret; "
                                "start it with the stack's --auth-token-file, or register it untrusted")

@@ -15,12 +15,14 @@ import asyncio
 import fnmatch
 import logging
 import uuid
+from dataclasses import replace
 
 from specd.auth import Security
 from specd.proposers.base import Proposal, ProposeRequest
 from specd.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
-from specd.verifier.drafter_client import DrafterClient
+from specd.verifier.drafter_client import DrafterClient, FeatureTarget
+from specd.wire import MAX_FEATURE_BYTES, tensor_to_proto
 
 log = logging.getLogger("specd.verifier.pool")
 
@@ -48,6 +50,8 @@ class DrafterPool:
         if metrics is not None:
             metrics.watch_drafters(lambda: self.drafters)
         self._background: set[asyncio.Task] = set()
+        # This verifier's target, for hidden-state drafters (set once the engine has loaded it).
+        self.target: FeatureTarget | None = None
 
     # -- administration --------------------------------------------------------
     async def register(self, name: str, address: str, rank: int | None = None, trusted: bool = False,
@@ -77,7 +81,7 @@ class DrafterPool:
 
     def _client(self, name: str, address: str, trusted: bool) -> DrafterClient:
         client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash,
-                               self.security, trusted)
+                               self.security, trusted, self.target)
         if self.metrics is not None:
             client.on_rtt = self.metrics.propose_rtt.labels(name).observe
         return client
@@ -145,6 +149,11 @@ class DrafterPool:
                 timeouts=c.timeouts, last_error=c.last_error, trusted=c.trusted, violations=c.violations))
         return out
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states the engine captures: every registered drafter's, merged."""
+        return tuple(sorted({j for c in list(self.drafters.values()) for j in c.feature_layers}))
+
     # -- requests ----------------------------------------------------------------
     def check_choice(self, name: str | None) -> None:
         if name and name not in self.drafters:
@@ -193,6 +202,8 @@ class DrafterPool:
             client = self._route(req.seq_id)
             if client is None or req.num_tokens > client.max_history_tokens:
                 continue  # no drafter (or none that keeps this much): no drafts, the history goes again later
+            if client.feature_layers and not set(client.feature_layers) <= set(req.feature_layers):
+                continue  # its hidden states were not captured for this sequence: no drafts
             previous = self.seq_drafter.get(req.seq_id)
             if previous != client.name:
                 self.seq_drafter[req.seq_id] = client.name
@@ -212,13 +223,17 @@ class DrafterPool:
         batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases,
                                          traceparent=current_traceparent())
         client.releases = []
-        for r in requests:
-            entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens,
-                                      k=min(r.k, client.max_k), full_history=r.full_history,
-                                      num_prompt_tokens=r.num_prompt_tokens or 0, temperature=r.temperature)
-            if r.seed is not None:
-                entry.seed = r.seed
+        pieces = [wire_pieces(r, client.feature_layers) for r in requests]
         try:
+            # A long history whose features exceed one message goes first, in k = 0 pieces.
+            for depth in range(max(len(p) for p in pieces) - 1):
+                lead = drafter_pb2.ProposeBatch(client_id=self.client_id)
+                for p in pieces:
+                    if depth < len(p) - 1:
+                        _add_entry(lead, p[depth], 0)
+                await client.round_trip(lead)
+            for p in pieces:
+                _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
             reply = await client.round_trip(batch)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — timeout, dead drafter, broken stream
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
@@ -256,6 +271,44 @@ class DrafterPool:
         return out
 
 
+def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> None:
+    entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
+                              full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
+                              temperature=r.temperature)
+    if r.seed is not None:
+        entry.seed = r.seed
+    if r.features is not None:
+        tensor_to_proto(r.features, entry.features)
+
+
+def wire_pieces(req: ProposeRequest, layers: tuple[int, ...]) -> list[ProposeRequest]:
+    """req as a drafter wanting `layers` gets it: only those feature columns (none for a
+    token-only drafter), split into pieces of at most MAX_FEATURE_BYTES of features each.
+    Row j of req.features is the state that predicted token `first + j` (first = 1 for a full
+    history, else the first new token), so pieces cut the tokens and the rows at the same place."""
+    if not layers or req.features is None:
+        return [replace(req, features=None, feature_layers=())]
+    rows = req.features
+    if tuple(layers) != tuple(req.feature_layers):
+        hidden = rows.shape[1] // len(req.feature_layers)
+        cols = [req.feature_layers.index(j) for j in layers]
+        rows = rows.view(rows.shape[0], len(req.feature_layers), hidden)[:, cols].reshape(rows.shape[0], -1)
+    max_rows = max(1, MAX_FEATURE_BYTES // (rows.shape[1] * rows.element_size()))
+    start = req.num_tokens - len(req.new_tokens)  # position of new_tokens[0]
+    first = start + 1 if req.full_history else start  # token predicted by row 0
+    out, tok, row = [], start, 0
+    while True:
+        end_row = min(row + max_rows, rows.shape[0])
+        end_tok = first + end_row  # tokens up to the last one these rows predicted
+        last = end_row == rows.shape[0]
+        out.append(replace(req, new_tokens=req.new_tokens[tok - start: (req.num_tokens if last else end_tok) - start],
+                           num_tokens=req.num_tokens if last else end_tok, full_history=req.full_history and not out,
+                           features=rows[row:end_row], feature_layers=tuple(layers)))
+        if last:
+            return out
+        tok, row = end_tok, end_row
+
+
 class PoolProposer:
     """The engine's proposer interface, called from the engine thread, run on the event loop."""
 
@@ -274,3 +327,7 @@ class PoolProposer:
 
     def release(self, seq_ids: list[int]) -> None:
         self.loop.call_soon_threadsafe(self.pool.release, list(seq_ids))
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.pool.feature_layers

@@ -152,6 +152,10 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
                            allowed_addresses(args.allow_drafter_address, startup))
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
     engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None))
+    if pool is not None:
+        from specd.verifier.drafter_client import FeatureTarget
+
+        pool.target = FeatureTarget(engine.arch.hidden_size, engine.arch.num_layers, engine.model.fingerprint)
     info = verifier_pb2.InfoResponse(
         model=config.model, model_name=Path(config.model.rstrip("/")).name, max_model_len=engine.max_model_len,
         vocab_size=engine.arch.vocab_size, vocab_hash=vocab_hash_of(engine.model_dir),

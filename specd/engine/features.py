@@ -18,14 +18,15 @@ class FeatureRows:
     def __init__(self):
         self.data: torch.Tensor | None = None  # [capacity, F]
         self.num_rows = 0  # rows [0, num_rows) are valid
+        self.layers: tuple[int, ...] = ()  # whose states the columns hold
 
-    def write(self, start: int, rows: torch.Tensor) -> None:
+    def write(self, start: int, rows: torch.Tensor, layers: tuple[int, ...]) -> None:
         """Rows for positions [start, start + len(rows)); what lay beyond them is dropped.
         Rows that would leave a gap are not kept: after the captured layers change (a drafter
         with other layers registered) a sequence has features again only once recomputed."""
         end = start + rows.shape[0]
-        if self.data is not None and self.data.shape[1] != rows.shape[1]:
-            self.data, self.num_rows = None, 0
+        if layers != self.layers:
+            self.data, self.num_rows, self.layers = None, 0, layers
         if start > self.num_rows:
             return
         if self.data is None:

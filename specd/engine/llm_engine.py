@@ -194,7 +194,8 @@ class LLMEngine:
             spec.observe(batch, out.num_accepted)
             spec.controller.observe_verify(num_tokens, t2 - t1)
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
-        finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features)
+        finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features,
+                                              self.runner.capture_layers)
         for seq in finished:
             self._release(seq)
         return finished

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from specd.cache import cache_root, file_sha256
+from specd.engine.fingerprint import weights_fingerprint
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
 from specd.gguf_convert import convert_gguf, find_gguf
@@ -117,6 +118,7 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
         raise ValueError(f"checkpoint {model_dir} is missing weights: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
     model.rotary.build(device, dtype)
+    model.fingerprint = weights_fingerprint(model)  # before prepare() repacks the linears
     head_ids = None
     draft_vocab = model_dir / "draft_vocab.json"
     if draft_vocab.is_file():

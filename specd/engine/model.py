@@ -108,6 +108,7 @@ class CausalLM(nn.Module):
         # then those rows, and every other id gets -inf, so it is never drafted.
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
+        self.fingerprint = ""  # of the loaded weights (specd/engine/fingerprint.py), set by the loader
 
     def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> bool:
         """After the weights are loaded: pick the matmul path (specd/engine/linear.py), build the

@@ -113,11 +113,12 @@ class Scheduler:
                 e.num_new_tokens = e.num_logits = 1 + len(d.token_ids)
 
     def postprocess(self, batch: list[ScheduledSeq], sampled: list[list[int]],
-                    logprobs: LogprobsRecorder | None = None, features: torch.Tensor | None = None
-                    ) -> list[Sequence]:
+                    logprobs: LogprobsRecorder | None = None, features: torch.Tensor | None = None,
+                    feature_layers: tuple[int, ...] = ()) -> list[Sequence]:
         """Commit a step: sampled[i] are the tokens of the i-th entry with logits (accepted
-        drafts, then one). features: the step's captured hidden states [T, F], one row per
-        forwarded token in batch order; the committed positions' rows are kept with their KV.
+        drafts, then one). features: the step's captured hidden states [T, F] of
+        feature_layers, one row per forwarded token in batch order; the committed positions'
+        rows are kept with their KV.
         Returns the sequences that finished in it."""
         finished, row, i, token_row = [], 0, 0, 0
         for entry in batch:
@@ -134,7 +135,7 @@ class Scheduler:
             if features is not None:
                 if seq.features is None:
                     seq.features = FeatureRows()
-                seq.features.write(start, features[token_row: token_row + committed])
+                seq.features.write(start, features[token_row: token_row + committed], feature_layers)
             token_row += entry.num_new_tokens
             if not entry.num_logits:
                 continue

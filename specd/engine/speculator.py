@@ -65,14 +65,14 @@ class Speculator:
             features = None
             if layers:
                 # The state that predicted each new token (position before it); none for token 0.
-                features = self._features(seq, 0 if full else seq.spec_sent - 1, length - 1)
+                features = self._features(seq, layers, 0 if full else seq.spec_sent - 1, length - 1)
                 if features is None:
                     continue
             requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=seq.token_slice(seq.spec_sent, length),
                                            num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed,
-                                           features=features))
+                                           features=features, feature_layers=layers))
             entries.append(e)
             seq.spec_sent = length
         if not requests:
@@ -97,10 +97,10 @@ class Speculator:
         return out
 
     @staticmethod
-    def _features(seq: Sequence, start: int, end: int):
-        """Feature rows [start, end) of seq, or None where they were never captured (it was
-        prefilled before a hidden-state drafter came): such a sequence decodes without drafts."""
-        if seq.features is None or seq.features.num_rows < end:
+    def _features(seq: Sequence, layers: tuple[int, ...], start: int, end: int):
+        """Feature rows [start, end) of seq, or None where they were not captured for these
+        layers (it was prefilled before such a drafter came): it decodes without drafts."""
+        if seq.features is None or seq.features.layers != layers or seq.features.num_rows < end:
             return None
         return seq.features.rows(start, end)
 

@@ -39,6 +39,7 @@ class ProposeRequest:
     # [rows, len(feature_layers) * hidden]: the target's features for new_tokens (module docstring);
     # None for token-only proposers.
     features: torch.Tensor | None = None
+    feature_layers: tuple[int, ...] = ()  # the layers of features' columns, in order
 
 
 @dataclass
@@ -57,8 +58,8 @@ class Proposer(Protocol):
     def release(self, seq_ids: list[int]) -> None: ...
 
 
-def feature_rows(req: ProposeRequest) -> int:
-    """How many feature rows `req` must carry for a hidden-state proposer."""
+def feature_rows(req) -> int:
+    """How many feature rows `req` (a ProposeRequest or a wire ProposeEntry) must carry."""
     return max(len(req.new_tokens) - 1, 0) if req.full_history else len(req.new_tokens)
 
 

@@ -13,7 +13,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self, challenge: _Optional[bytes] = ...) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k", "proof", "max_history_tokens")
+    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k", "proof", "max_history_tokens", "feature_layers", "hidden_size", "target_layers", "target_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,10 @@ class DrafterInfoResponse(_message.Message):
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
     MAX_HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     method: str
     model: str
@@ -30,10 +34,24 @@ class DrafterInfoResponse(_message.Message):
     max_k: int
     proof: bytes
     max_history_tokens: int
-    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ..., proof: _Optional[bytes] = ..., max_history_tokens: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    target_layers: int
+    target_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ..., proof: _Optional[bytes] = ..., max_history_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_layers: _Optional[int] = ..., target_fingerprint: _Optional[str] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +60,7 @@ class ProposeEntry(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -50,7 +69,8 @@ class ProposeEntry(_message.Message):
     num_prompt_tokens: int
     temperature: float
     seed: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    features: Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("client_id", "batch_id", "entries", "release", "traceparent")
