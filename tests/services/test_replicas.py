@@ -4,7 +4,7 @@ share one drafter without mixing their sequences, and a replica killed mid-run (
 no request that had produced no token, while every greedy output equals the offline engine's;
 `specd up --replicas 2` starts such a stack and outlives one replica.
 
-The order matters: the fourth test kills the replicas of the module's stack.
+The order matters: the fifth test kills the replicas of the module's stack.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.demo_paths import demo_model_dir
 from specd.gateway.replicas import affinity_rank
 from specd.sampling import SamplingParams
-from specd.up import drafters_registered
+from specd.up import drafters_registered, grpc_serving
 
 MODEL = "specd-demo-target"
 MODEL_DIR = demo_model_dir("target")
@@ -33,6 +33,8 @@ N = 24  # tokens per greedy request
 SPEC = {"drafter": "ng", "num_speculative_tokens": 3}  # fixed k: acceptance is a function of the sequence alone
 # Repetitive, so the ngram drafter finds matches and drafts.
 PROMPTS = [f"v{i} = [{i}, {i + 1}, {i + 2}, {i}, {i + 1}, {i + 2}, {i}, {i + 1}, {i + 2}, {i}," for i in range(16)]
+
+OTHER_HOST_NET = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"  # the /30 of the drafter "on another host"
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the bundled demo target is missing")
 
@@ -44,10 +46,11 @@ def stack(launcher):
     # kill below has some to move.
     replicas = [launcher.start(f"verifier{i}", "verifier", [
         "--model", str(MODEL_DIR), "--dtype", "float32", "--device", "cpu", "--drafter", f"ng={ng.address}",
-        "--max-num-seqs", "2", "--propose-timeout-ms", "20000", "--log-level", "warning"]) for i in range(2)]
+        "--max-num-seqs", "2", "--propose-timeout-ms", "20000", "--allow-drafter-address", "127.0.0.1:*",
+        "--allow-drafter-address", f"{OTHER_HOST_NET}.*:*", "--log-level", "warning"]) for i in range(2)]
     gateway = launcher.start("gateway", "gateway", [
         "--verifier", replicas[0].address, "--verifier", replicas[1].address, "--log-level", "warning",
-        "--verifier-retry", "30"], http=True)
+        "--verifier-retry", "30", "--open-admin"], http=True)
     base = f"http://{gateway.address}"
     deadline = time.monotonic() + 60
     while not (all(drafters_registered(r.address, ["ng"]) for r in replicas) and all(
@@ -147,6 +150,85 @@ def test_session_affinity_holds_under_load(stack):
         by_user = list(pool.map(lambda job: _complete(stack["client"], PROMPTS[job[1]], user=job[0])[0], jobs))
     assert by_header == [expected(s) for s, _ in jobs]
     assert by_user == [expected(s) for s, _ in jobs]
+
+
+@pytest.fixture()
+def other_host(tmp_path):
+    """A network namespace joined to ours by a veth pair: processes run in it reach us, and we
+    them, only over that link (their own address, not loopback), as another host's would."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    name = f"specd-{os.getpid()}"
+    host_if, ns_if = f"sv{os.getpid()}"[:15], f"sd{os.getpid()}"[:15]
+    steps = [["ip", "netns", "add", name], ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+             ["ip", "link", "set", ns_if, "netns", name],
+             ["ip", "addr", "add", f"{OTHER_HOST_NET}.1/30", "dev", host_if], ["ip", "link", "set", host_if, "up"],
+             ["ip", "netns", "exec", name, "ip", "addr", "add", f"{OTHER_HOST_NET}.2/30", "dev", ns_if],
+             ["ip", "netns", "exec", name, "ip", "link", "set", ns_if, "up"],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]
+    procs = []
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode:
+                pytest.skip(f"cannot make a network namespace here: {' '.join(step)}: {done.stderr.strip()}")
+
+        def start(command: list[str], log_name: str) -> subprocess.Popen:
+            with open(tmp_path / log_name, "w") as log:
+                proc = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "specd.cli", *command],
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+            procs.append(proc)
+            return proc
+
+        yield dict(address=f"{OTHER_HOST_NET}.2", start=start, logs=tmp_path)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)  # takes its peer along
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_replicas_share_a_drafter_on_another_host(stack, other_host, reference):
+    """A drafter in its own network namespace, registered through the gateway's admin API, which
+    registers it on every replica; both speculate with it, and it drafts exactly as the same
+    method does on loopback (same text, same accepted tokens per request)."""
+    address = f"{other_host['address']}:50061"
+    drafter = other_host["start"](["drafter", "--method", "ngram", "--name", "remote", "--host",
+                                   other_host["address"], "--port", "50061", "--metrics-port", "0", "--threads", "1",
+                                   "--log-level", "warning"], "remote-drafter.log")
+    deadline = time.monotonic() + 60
+    while not grpc_serving(address):
+        assert drafter.poll() is None and time.monotonic() < deadline, \
+            (other_host["logs"] / "remote-drafter.log").read_text()[-2000:]
+        time.sleep(0.2)
+    admin = f"{stack['base']}/admin/drafters"
+    r = httpx.post(admin, json={"name": "remote", "address": address}, timeout=60)
+    assert r.status_code == 201, r.text
+    assert all(drafters_registered(v.address, ["remote"]) for v in stack["replicas"])  # on every replica
+    pinned = [(p, _session_for(stack, i // 4, "remote")) for i, p in enumerate(PROMPTS[:8])]
+
+    def run(job, drafter_name):
+        raw = stack["client"].completions.with_raw_response.create(
+            model=MODEL, prompt=job[0], max_tokens=N, temperature=0, extra_headers={"X-Session-Id": job[1]},
+            extra_body={"ignore_eos": True, "speculative": {**SPEC, "drafter": drafter_name}})
+        out = raw.parse()
+        return int(raw.headers["x-specd-replica"]), out.choices[0].text, out.usage.model_extra["speculative"]
+
+    with ThreadPoolExecutor(8) as pool:
+        remote = list(pool.map(lambda job: run(job, "remote"), pinned))
+    local = [run(job, "ng") for job in pinned]
+    assert [r for r, _, _ in remote] == [0] * 4 + [1] * 4
+    for (p, _), (_, text, spec), (_, text_local, spec_local) in zip(pinned, remote, local):
+        assert text == text_local == reference(p)
+        assert spec["draft_tokens"] > 0
+        assert (spec["draft_tokens"], spec["accepted_tokens"]) == (spec_local["draft_tokens"],
+                                                                   spec_local["accepted_tokens"])
+    assert httpx.delete(f"{admin}/remote", timeout=60).status_code == 200
+    for v in stack["replicas"]:
+        assert not drafters_registered(v.address, ["remote"])
 
 
 def _stream(client, prompt: str, record: dict) -> None:
