@@ -50,8 +50,11 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # None: proposals come from drafter services (the verifier's pool), not an in-process proposer.
-    method: Literal["ngram", "suffix", "draft_model"] | None = None
-    model: str | None = None  # draft_model: local directory or hub id
+    method: Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator"] | None = None
+    model: str | None = None  # draft_model, or a hidden-state head's checkpoint: local directory or hub id
+    # hidden-state heads (eagle, eagle3, medusa, mlp_speculator): the target they read (directory, hub
+    # id or GGUF) for its layer count, hidden size, and the embeddings / LM head EAGLE heads borrow
+    target_model: str | None = None
     num_speculative_tokens: int = Field(default=4, ge=1, le=32)
     # ngram (prompt lookup)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
@@ -75,10 +78,16 @@ class SpeculativeConfig(BaseModel):
     adaptive: bool = True
 
     def model_post_init(self, _context) -> None:
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("method 'draft_model' needs 'model' (a directory or hub id)")
-        if self.method != "draft_model" and self.model:
-            raise ValueError(f"'model' is only used by method 'draft_model', not {self.method!r}")
+        heads = ("eagle", "eagle3", "medusa", "mlp_speculator")
+        if self.method in ("draft_model", *heads) and not self.model:
+            raise ValueError(f"method {self.method!r} needs 'model' (a directory or hub id)")
+        if self.method not in ("draft_model", *heads) and self.model:
+            raise ValueError(f"'model' is only used by method 'draft_model' and hidden-state heads, "
+                             f"not {self.method!r}")
+        if self.method in heads and not self.target_model:
+            raise ValueError(f"method {self.method!r} needs 'target_model' (the target's directory or hub id)")
+        if self.method not in heads and self.target_model:
+            raise ValueError(f"'target_model' is only used by hidden-state heads, not {self.method!r}")
         if self.rejection_sample_method == "synthetic" and self.synthetic_acceptance_rate is None:
             raise ValueError("rejection_sample_method 'synthetic' needs synthetic_acceptance_rate")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -22,5 +22,16 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
             raise ValueError(f"draft model vocabulary ({proposer.vocab_size}) does not match the target's "
                              f"({target_vocab_size}); a drafter must share the target's tokenizer")
         return proposer
+    if spec.method in ("eagle", "eagle3", "medusa", "mlp_speculator"):
+        from specd.proposers.hidden_state import HiddenStateProposer
+
+        proposer = HiddenStateProposer(spec.method, spec.model, spec.target_model,
+                                       num_speculative_tokens=spec.num_speculative_tokens, dtype=spec.draft_dtype,
+                                       device=device, sample_method=spec.draft_sample_method,
+                                       top_k=spec.draft_top_k, seed=seed)
+        if target_vocab_size is not None and proposer.vocab_size != target_vocab_size:
+            raise ValueError(f"{spec.method} target vocabulary ({proposer.vocab_size}) does not match the "
+                             f"serving target's ({target_vocab_size})")
+        return proposer
     options = {k: v for k, v in spec.model_dump().items() if k.startswith(("prompt_lookup_", "suffix_decoding_"))}
     return PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)

@@ -1,0 +1,57 @@
+"""Medusa heads: head i maps the target's last normed state h to logits of the token i + 1
+places after the one h predicted: ResBlock(s) x + SiLU(W x + b), then a linear to the vocabulary.
+
+Layout (FasterDecoding/Medusa, medusa/model/medusa_model.py `MedusaModel`): config.json with
+`medusa_num_heads`, `medusa_num_layers` (and base_model_name_or_path); the weights are the
+state dict of the `medusa_head` ModuleList, `{i}.{j}.linear.weight|bias` for the ResBlocks and
+`{i}.{medusa_num_layers}.weight` for the vocabulary projection, in `medusa_lm_head.pt` (Medusa-1
+releases) or `medusa_lm_head.safetensors`; Medusa-2 style full checkpoints prefix them with
+`medusa_head.`. Medusa builds a head's ResBlocks as `[ResBlock(h)] * n`: one block repeated,
+whose state dict lists it under every index, so loading per index reads it right either way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.proposers.heads.checkpoint import strip_prefix, take
+
+FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
+                                    for _ in range(num_heads))
+        self.out = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+        self.max_k = num_heads
+        self.feature_dim = hidden
+
+    def head_logits(self, row: torch.Tensor, i: int) -> torch.Tensor:  # [H] -> [V] float32
+        x = row
+        for lin in self.blocks[i]:
+            x = x + F.silu(lin.forward(x))
+        return self.out[i].forward(x).float()
+
+    def draft(self, row: torch.Tensor, last_token: int, k: int, pick) -> list[int]:
+        """All k drafts from one state (parallel drafting): head i's choice does not feed head i+1."""
+        row = row.to(self.out[0].weight.dtype)
+        return [pick(self.head_logits(row, i), i) for i in range(k)]
+
+
+def load_medusa(cfg: dict, tensors: dict[str, torch.Tensor], hidden: int, vocab: int, dtype: torch.dtype,
+                device: torch.device, where: str) -> MedusaHeads:
+    tensors = strip_prefix(tensors, "medusa_head.", "base_model.medusa_head.")
+    num_heads = int(cfg.get("medusa_num_heads", 0))
+    num_layers = int(cfg.get("medusa_num_layers", 1))
+    if num_heads < 1:
+        raise ValueError(f"{where}: config.json needs medusa_num_heads >= 1")
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
+    for i in range(num_heads):
+        for j, lin in enumerate(heads.blocks[i]):
+            lin.weight.data.copy_(take(tensors, f"{i}.{j}.linear.weight", (hidden, hidden), where))
+            lin.bias.data.copy_(take(tensors, f"{i}.{j}.linear.bias", (hidden,), where))
+        heads.out[i].weight.data.copy_(take(tensors, f"{i}.{num_layers}.weight", (vocab, hidden), where))
+    return heads.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,201 @@
+"""Hidden-state proposers: `eagle`, `eagle3` (a head chained k steps over its own KV cache) and
+`medusa`, `mlp_speculator` (all k drafts from the last feature row in one pass).
+
+Per sequence the proposer keeps the committed tokens and what the head needs of the target's
+features (the module docstring of base.py fixes their rows): EAGLE heads keep their KV over
+the committed pairs (token j with the row that predicted it, at head position j - 1) and the
+head's output at the last pair; drafting appends k - 1 pairs and rolls them back afterwards,
+as draft_model does. Medusa and the MLP speculator keep the last row only. A request whose
+tokens or feature rows do not line up with that state is answered resync=True.
+
+Greedy drafts ship ids only (q one-hot). Sampled drafts come from the head's top-k truncated,
+renormalised distribution at the request's temperature, seeded by (request seed, position)
+like draft_model's, and ship that sparse q.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.engine.loader import default_device, resolve_dtype
+from specd.engine.sampler import draft_seed
+from specd.proposers.base import Proposal, ProposeRequest, feature_rows
+from specd.proposers.heads.checkpoint import load_target_pieces, read_config, read_tensors, resolve_head_dir
+
+CHAIN_METHODS = ("eagle", "eagle3")
+PARALLEL_METHODS = ("medusa", "mlp_speculator")
+METHODS = CHAIN_METHODS + PARALLEL_METHODS
+
+
+@dataclass
+class _State:
+    tokens: list[int]
+    kv: object | None = None  # chain heads: KVCache over the committed pairs
+    last: torch.Tensor | None = None  # chain: head output at the last pair; parallel: last feature row
+    extra: dict = field(default_factory=dict)
+
+
+class HiddenStateProposer:
+    def __init__(self, method: str, model: str, target: str, *, num_speculative_tokens: int = 4,
+                 dtype: str = "auto", device: str | torch.device = "auto", sample_method: str = "greedy",
+                 top_k: int = 16, seed: int | None = None):
+        if method not in METHODS:
+            raise ValueError(f"unknown hidden-state method {method!r}; known: {', '.join(METHODS)}")
+        self.method = method
+        self.device = device if isinstance(device, torch.device) else default_device(device)
+        head_dir = resolve_head_dir(model)
+        cfg = read_config(head_dir)
+        where = f"{method} checkpoint {model}"
+        pieces = load_target_pieces(target, embed=method in CHAIN_METHODS, lm_head=method == "eagle")
+        self.arch = pieces.arch
+        self.dtype = resolve_dtype(dtype, pieces.arch, self.device)
+        L = pieces.arch.num_layers
+        if method == "eagle3":
+            from specd.proposers.heads.eagle3 import load_eagle3
+
+            ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+            self.feature_layers = tuple(int(i) for i in ids) if ids else (2, L // 2, L - 3)
+            self.head = load_eagle3(cfg, read_tensors(head_dir), pieces, len(self.feature_layers), self.dtype,
+                                    self.device, where)
+        elif method == "eagle":
+            from specd.proposers.heads.eagle import load_eagle
+
+            self.feature_layers = (L,)
+            self.head = load_eagle(cfg, read_tensors(head_dir), pieces, self.dtype, self.device, where)
+        elif method == "medusa":
+            from specd.proposers.heads.medusa import FILES, load_medusa
+
+            self.feature_layers = (L,)
+            self.head = load_medusa(cfg, read_tensors(head_dir, FILES), pieces.arch.hidden_size,
+                                    pieces.arch.vocab_size, self.dtype, self.device, where)
+        else:
+            from specd.proposers.heads.mlp_speculator import load_mlp_speculator
+
+            self.feature_layers = (L,)
+            self.head = load_mlp_speculator(cfg, read_tensors(head_dir), pieces.arch.hidden_size,
+                                            pieces.arch.vocab_size, self.dtype, self.device, where)
+        if any(not 0 <= i <= L for i in self.feature_layers):
+            raise ValueError(f"{where}: feature layers {self.feature_layers} outside [0, {L}] for this target")
+        self.max_k = min(num_speculative_tokens, getattr(self.head, "max_k", num_speculative_tokens))
+        self.max_positions = getattr(self.head, "max_positions", pieces.arch.max_position_embeddings)
+        self.sample_method, self.top_k = sample_method, top_k
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            secrets.randbits(63) if seed is None else seed)
+        self.seqs: dict[int, _State] = {}
+
+    @property
+    def hidden_size(self) -> int:
+        return self.arch.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        out = []
+        with torch.inference_mode():
+            for req in batch:
+                state = self._sync(req)
+                if state is None:
+                    out.append(Proposal(seq_id=req.seq_id, token_ids=[], resync=True))
+                    continue
+                k = min(req.k, self.max_k, self.max_positions - len(state.tokens))
+                out.append(self._draft(state, req, k) if k > 0 and state.last is not None
+                           else Proposal(seq_id=req.seq_id, token_ids=[]))
+        return out
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+    # -- state ---------------------------------------------------------------
+    def _sync(self, req: ProposeRequest) -> _State | None:
+        """Apply the committed delta and its feature rows; None when out of sync (state dropped)."""
+        state = self.seqs.get(req.seq_id)
+        rows = req.features
+        width = len(self.feature_layers) * self.arch.hidden_size
+        ok_rows = rows is not None and rows.dim() == 2 and rows.shape == (feature_rows(req), width)
+        layers = tuple(getattr(req, "feature_layers", ()) or ())  # when the sender names them
+        ok_rows = ok_rows and (not layers or layers == self.feature_layers)
+        if not ok_rows or (not req.full_history and (state is None or
+                                                     len(state.tokens) + len(req.new_tokens) != req.num_tokens)):
+            self.release([req.seq_id])
+            return None
+        if req.full_history:
+            if len(req.new_tokens) != req.num_tokens:
+                self.release([req.seq_id])
+                return None
+            state = self.seqs[req.seq_id] = _State(list(req.new_tokens))
+            if self.method in CHAIN_METHODS:
+                state.kv = self.head.new_cache()
+            pair_tokens = req.new_tokens[1:]  # the first token has no predicting row
+        else:
+            state.tokens.extend(req.new_tokens)
+            pair_tokens = req.new_tokens
+        if rows.shape[0] == 0:
+            return state
+        rows = rows.to(self.device, self.dtype)
+        if self.method in PARALLEL_METHODS:
+            state.last = rows[-1]
+        elif state.kv.length + len(pair_tokens) > self.max_positions:
+            self.release([req.seq_id])  # beyond the head's rotary table: no drafts for this one
+            return None
+        else:
+            tokens = torch.tensor(pair_tokens, device=self.device)
+            state.last = self.head.forward(state.kv, tokens, rows, from_target=True)[-1]
+        return state
+
+    # -- drafting --------------------------------------------------------------
+    def _draft(self, state: _State, req: ProposeRequest, k: int) -> Proposal:
+        sampled = self.sample_method == "sampled" and (req.temperature or 0.0) > 0
+        prop = Proposal(seq_id=req.seq_id, token_ids=[], q_ids=[] if sampled else None,
+                        q_probs=[] if sampled else None)
+        token_ids = getattr(self.head, "token_ids", None)  # EAGLE-3: draft index -> target id
+
+        def pick(logits: torch.Tensor, i: int) -> int:  # logits [V_head] float32 -> a target id
+            if sampled:
+                idx, ids, probs = self._sample_sparse(logits, req, req.num_tokens + i)
+                if token_ids is not None:
+                    ids = token_ids[torch.tensor(ids, device=token_ids.device)].tolist()
+                prop.q_ids.append(ids)
+                prop.q_probs.append(probs)
+            else:
+                idx = int(logits.argmax())
+            token = idx if token_ids is None else int(token_ids[idx])
+            prop.token_ids.append(token)
+            return token
+
+        if self.method in PARALLEL_METHODS:
+            self.head.draft(state.last, state.tokens[-1], k, pick)
+            return prop
+        committed, h = state.kv.length, state.last
+        for i in range(k):
+            token = pick(self.head.logits(h[None])[0], i)
+            if i + 1 < k:  # the drafted token with the head's predicted state is the next pair
+                h = self.head.forward(state.kv, torch.tensor([token], device=self.device), h[None],
+                                      from_target=False)[0]
+        state.kv.truncate(committed)  # state holds committed pairs only
+        return prop
+
+    def _sample_sparse(self, logits: torch.Tensor, req: ProposeRequest, position: int):
+        top = (logits / req.temperature).topk(min(self.top_k, logits.shape[-1]))
+        probs = top.values.softmax(-1)
+        # Seeded by (seed, position), as draft_model: independent of the batch and of resyncs.
+        gen = self.generator if req.seed is None else \
+            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, position))
+        choice = int(torch.multinomial(probs, 1, generator=gen))
+        return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
+
+
+def _register() -> None:
+    from functools import partial
+
+    from specd.proposers.base import PROPOSERS
+
+    for m in METHODS:
+        PROPOSERS[m] = partial(HiddenStateProposer, m)
+
+
+_register()
