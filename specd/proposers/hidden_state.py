@@ -93,26 +93,47 @@ class HiddenStateProposer:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
+    @property
+    def target_layers(self) -> int:
+        return self.arch.num_layers
+
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
-        out = []
+        out: dict[int, Proposal] = {}
+        catch_up: list[tuple[_State, list[int], torch.Tensor]] = []  # chain heads: new pairs to run
+        synced: list[tuple[_State, ProposeRequest]] = []
         with torch.inference_mode():
             for req in batch:
-                state = self._sync(req)
+                state = self._sync(req, catch_up)
                 if state is None:
-                    out.append(Proposal(seq_id=req.seq_id, token_ids=[], resync=True))
-                    continue
+                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+                else:
+                    synced.append((state, req))
+            if catch_up:  # every sequence's new pairs in one ragged forward
+                outs = self.head.forward([s.kv for s, _, _ in catch_up], [len(t) for _, t, _ in catch_up],
+                                         torch.tensor([t for _, ts, _ in catch_up for t in ts], device=self.device),
+                                         torch.cat([r for _, _, r in catch_up]), from_target=True)
+                ends = torch.tensor([len(t) for _, t, _ in catch_up]).cumsum(0) - 1
+                for (state, _, _), row in zip(catch_up, outs[ends.to(outs.device)]):
+                    state.last = row
+            active = []
+            for state, req in synced:
                 k = min(req.k, self.max_k, self.max_positions - len(state.tokens))
-                out.append(self._draft(state, req, k) if k > 0 and state.last is not None
-                           else Proposal(seq_id=req.seq_id, token_ids=[]))
-        return out
+                if k > 0 and state.last is not None:
+                    active.append((state, req, k))
+                else:
+                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+            if active:
+                self._draft(active, out)
+        return [out[r.seq_id] for r in batch]
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
 
     # -- state ---------------------------------------------------------------
-    def _sync(self, req: ProposeRequest) -> _State | None:
-        """Apply the committed delta and its feature rows; None when out of sync (state dropped)."""
+    def _sync(self, req: ProposeRequest, catch_up: list) -> _State | None:
+        """Apply the committed delta and its feature rows (chain heads: queue the new pairs on
+        catch_up); None when out of sync (state dropped)."""
         state = self.seqs.get(req.seq_id)
         rows = req.features
         width = len(self.feature_layers) * self.arch.hidden_size
@@ -139,23 +160,26 @@ class HiddenStateProposer:
         rows = rows.to(self.device, self.dtype)
         if self.method in PARALLEL_METHODS:
             state.last = rows[-1]
-        elif state.kv.length + len(pair_tokens) > self.max_positions:
+        elif len(state.tokens) > self.max_positions:
             self.release([req.seq_id])  # beyond the head's rotary table: no drafts for this one
             return None
         else:
-            tokens = torch.tensor(pair_tokens, device=self.device)
-            state.last = self.head.forward(state.kv, tokens, rows, from_target=True)[-1]
+            catch_up.append((state, list(pair_tokens), rows))
         return state
 
     # -- drafting --------------------------------------------------------------
-    def _draft(self, state: _State, req: ProposeRequest, k: int) -> Proposal:
-        sampled = self.sample_method == "sampled" and (req.temperature or 0.0) > 0
-        prop = Proposal(seq_id=req.seq_id, token_ids=[], q_ids=[] if sampled else None,
-                        q_probs=[] if sampled else None)
+    def _draft(self, active: list[tuple[_State, ProposeRequest, int]], out: dict[int, Proposal]) -> None:
         token_ids = getattr(self.head, "token_ids", None)  # EAGLE-3: draft index -> target id
+        props = []
+        for _, req, _ in active:
+            sampled = self._sampled(req)
+            props.append(Proposal(seq_id=req.seq_id, token_ids=[], q_ids=[] if sampled else None,
+                                  q_probs=[] if sampled else None))
+            out[req.seq_id] = props[-1]
 
-        def pick(logits: torch.Tensor, i: int) -> int:  # logits [V_head] float32 -> a target id
-            if sampled:
+        def pick(b: int, i: int, logits: torch.Tensor) -> int:  # logits [V_head] float32 -> a target id
+            req, prop = active[b][1], props[b]
+            if self._sampled(req):
                 idx, ids, probs = self._sample_sparse(logits, req, req.num_tokens + i)
                 if token_ids is not None:
                     ids = token_ids[torch.tensor(ids, device=token_ids.device)].tolist()
@@ -167,17 +191,30 @@ class HiddenStateProposer:
             prop.token_ids.append(token)
             return token
 
+        ks = [k for _, _, k in active]
         if self.method in PARALLEL_METHODS:
-            self.head.draft(state.last, state.tokens[-1], k, pick)
-            return prop
-        committed, h = state.kv.length, state.last
-        for i in range(k):
-            token = pick(self.head.logits(h[None])[0], i)
-            if i + 1 < k:  # the drafted token with the head's predicted state is the next pair
-                h = self.head.forward(state.kv, torch.tensor([token], device=self.device), h[None],
-                                      from_target=False)[0]
-        state.kv.truncate(committed)  # state holds committed pairs only
-        return prop
+            self.head.draft(torch.stack([s.last for s, _, _ in active]), [s.tokens[-1] for s, _, _ in active],
+                            ks, pick)
+            return
+        committed = [s.kv.length for s, _, _ in active]
+        h = torch.stack([s.last for s, _, _ in active])  # [B, H]: the head's state per sequence
+        live = list(range(len(active)))
+        for i in range(max(ks)):
+            logits = self.head.logits(h)  # [B_live, V_head]
+            tokens = [pick(b, i, row) for b, row in zip(live, logits)]
+            keep = [j for j, b in enumerate(live) if ks[b] > i + 1]
+            if not keep:
+                break
+            # each drafted token with the head's predicted state is that sequence's next pair
+            live = [live[j] for j in keep]
+            h = self.head.forward([active[b][0].kv for b in live], [1] * len(live),
+                                  torch.tensor([tokens[j] for j in keep], device=self.device), h[keep],
+                                  from_target=False)
+        for (state, _, _), n in zip(active, committed):
+            state.kv.truncate(n)  # state holds committed pairs only
+
+    def _sampled(self, req: ProposeRequest) -> bool:
+        return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
 
     def _sample_sparse(self, logits: torch.Tensor, req: ProposeRequest, position: int):
         top = (logits / req.temperature).topk(min(self.top_k, logits.shape[-1]))

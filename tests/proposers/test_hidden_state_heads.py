@@ -182,3 +182,20 @@ def test_mismatched_checkpoint_is_refused_clearly(target, heads, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing tensor"):
         build(target_dir, "medusa", bad)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3_speculators", "medusa_st", "mlp"])
+def test_a_batch_drafts_what_each_sequence_drafts_alone(layout, target, heads):
+    """Ragged batches (catch-up of different lengths, different k, a delta next to full
+    histories) run as one forward per step; each sequence must still get its own drafts."""
+    target_dir, model = target
+    method, head_dir, ref = heads[layout]
+    p = build(target_dir, method, head_dir, num_speculative_tokens=3)
+    prompts = [PROMPT, PROMPT[3:9], [70, 71, 5, 9, 12, 13, 40, 41, 2, 8, 19, 27, 30, 31, 77][:13]]
+    rows = [features(model, t, p.feature_layers) for t in prompts]
+    ks = [3, 1, 2]
+    alone = [ref.chain(t, r[:-1], k)[0] for t, r, k in zip(prompts, rows, ks)]
+    p.propose([full(30, prompts[0][:-2], rows[0][:-3], 2)])  # known; its next message is a delta
+    batch = [ProposeRequest(30, prompts[0][-2:], len(prompts[0]), 3, features=rows[0][-3:-1]),
+             full(31, prompts[1], rows[1][:-1], 1), full(32, prompts[2], rows[2][:-1], 2)]
+    assert [prop.token_ids for prop in p.propose(batch)] == alone

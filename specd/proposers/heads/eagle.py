@@ -21,7 +21,7 @@ from torch import nn
 from specd.engine.model import RMSNorm
 from specd.engine.rotary import RotaryEmbedding
 from specd.proposers.heads.checkpoint import TargetPieces, layer_arch, take
-from specd.proposers.heads.layer import HeadLayer, KVCache
+from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
 
 _SPECULATORS_NAMES = {"fusion_fc.": "fc.", "transformer.": "layers.0."}
 _HASS_NAMES = {"embed_layernorm.weight": "embedding_layernorm.weight",
@@ -51,17 +51,19 @@ class EagleHead(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
 
-    def forward(self, kv: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, from_target: bool) -> torch.Tensor:
-        """tokens [n], hidden [n, H] (target features, or the head's own outputs: EAGLE-1 treats
-        both alike) at positions [kv.length, kv.length + n) -> the head's outputs [n, H]."""
+    def forward(self, kvs: list[KVCache], counts: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
+                from_target: bool) -> torch.Tensor:
+        """tokens [T], hidden [T, H] (target features, or the head's own outputs: EAGLE-1 treats
+        both alike): counts[s] rows of sequence s in turn, each continuing its cache kvs[s]
+        -> the head's outputs [T, H]."""
         emb = self.embed_tokens[tokens]
         if self.embedding_layernorm is not None:
             emb = self.embedding_layernorm.forward(emb)
         x = self.fc.forward(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))
-        cos_sin = self.rotary(torch.arange(kv.length, kv.length + len(tokens), device=x.device))
+        cos_sin = self.rotary(positions(kvs, counts, x.device))
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos_sin, kv, i)
-        kv.length += len(tokens)
+            x = layer.forward(x, cos_sin, kvs, counts, i)
+        advance(kvs, counts)
         return x
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] float32

@@ -22,7 +22,7 @@ from torch import nn
 from specd.engine.model import RMSNorm
 from specd.engine.rotary import RotaryEmbedding
 from specd.proposers.heads.checkpoint import TargetPieces, layer_arch, take
-from specd.proposers.heads.layer import HeadLayer, KVCache
+from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
 
 
 class Eagle3Head(nn.Module):
@@ -53,9 +53,11 @@ class Eagle3Head(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
 
-    def forward(self, kv: KVCache, tokens: torch.Tensor, hidden: torch.Tensor, from_target: bool) -> torch.Tensor:
-        """tokens [n] with hidden [n, 3 * H_target] (target features: through fc) or [n, H] (the
-        head's own outputs, fed back as they are) -> outputs [n, H]."""
+    def forward(self, kvs: list[KVCache], counts: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
+                from_target: bool) -> torch.Tensor:
+        """tokens [T] with hidden [T, 3 * H_target] (target features: through fc) or [T, H] (the
+        head's own outputs, fed back as they are), rows grouped by sequence as counts says
+        -> outputs [T, H]."""
         emb = self.embed_tokens[tokens]
         hidden = hidden.to(emb.dtype)
         if from_target:
@@ -64,14 +66,14 @@ class Eagle3Head(nn.Module):
             if self.fc_norm is not None:
                 hidden = torch.cat([n.forward(c) for n, c in zip(self.fc_norm, hidden.chunk(len(self.fc_norm), -1))], -1)
             hidden = self.fc.forward(hidden)
-        cos_sin = self.rotary(torch.arange(kv.length, kv.length + len(tokens), device=emb.device))
+        cos_sin = self.rotary(positions(kvs, counts, emb.device))
         first = self.layers[0]
         normed = self.hidden_norm.forward(hidden)
         attn_in = torch.cat([first.input_layernorm.forward(emb), normed], dim=-1)
-        x = first.forward(normed if self.norm_before_residual else hidden, cos_sin, kv, 0, attn_in=attn_in)
+        x = first.forward(normed if self.norm_before_residual else hidden, cos_sin, kvs, counts, 0, attn_in=attn_in)
         for i, layer in enumerate(self.layers[1:], start=1):
-            x = layer.forward(x, cos_sin, kv, i)
-        kv.length += len(tokens)
+            x = layer.forward(x, cos_sin, kvs, counts, i)
+        advance(kvs, counts)
         return self.norm.forward(x) if self.norm_output else x
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft] float32

@@ -1,8 +1,8 @@
 """One Llama decoder layer over a per-sequence contiguous KV cache: the body of EAGLE heads.
 
-The engine's DecoderLayer reads a paged cache shared by a batch; a head is one or two layers
-over one sequence's few thousand positions, so a contiguous cache grown by doubling is simpler
-and just as fast. RMSNorm, the MLP and rotary are the engine's own (specd/engine/model.py).
+The engine's DecoderLayer reads a paged cache shared by a batch; a head is one or two layers,
+so each sequence keeps a contiguous cache grown by doubling, and a batch runs its projections
+over all rows at once and its attention per sequence. RMSNorm, the MLP and rotary are the engine's own (specd/engine/model.py).
 """
 from __future__ import annotations
 
@@ -49,22 +49,36 @@ class HeadAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos_sin, kv: KVCache, layer: int) -> torch.Tensor:
-        n = x.shape[0]  # x [n, in_dim] at positions [kv.length, kv.length + n)
-        qkv = self.qkv_proj.forward(x).view(n, self.h + 2 * self.hkv, self.d)
+    def forward(self, x: torch.Tensor, cos_sin, kvs: list[KVCache], counts: list[int], layer: int) -> torch.Tensor:
+        """x [T, in_dim]: counts[s] rows of sequence s in turn, at positions [kvs[s].length, + counts[s]).
+        Projections run over all T rows at once; attention per sequence over its own cache."""
+        T = x.shape[0]
+        qkv = self.qkv_proj.forward(x).view(T, self.h + 2 * self.hkv, self.d)
         q, k, v = qkv[:, : self.h], qkv[:, self.h: self.h + self.hkv], qkv[:, self.h + self.hkv:]
         if self.q_norm is not None:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        keys, values = kv.write(layer, k, v)  # [C, Hkv, D]
-        c = keys.shape[0]
-        # query i sits at position c - n + i and sees keys 0 .. c - n + i
-        mask = torch.arange(c, device=x.device)[None, :] <= torch.arange(c - n, c, device=x.device)[:, None]
-        rep = self.h // self.hkv
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(rep, 0),
-            values.transpose(0, 1).repeat_interleave(rep, 0), attn_mask=mask)  # [H, n, D]
-        return self.o_proj.forward(out.transpose(0, 1).reshape(n, self.h * self.d))
+        out, start, rep = torch.empty_like(q), 0, self.h // self.hkv
+        for kv, n in zip(kvs, counts):
+            end = start + n
+            keys, values = kv.write(layer, k[start:end], v[start:end])  # [C, Hkv, D]
+            c = keys.shape[0]
+            # query i sits at position c - n + i and sees keys 0 .. c - n + i
+            mask = torch.arange(c, device=x.device)[None, :] <= torch.arange(c - n, c, device=x.device)[:, None]
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys.transpose(0, 1).repeat_interleave(rep, 0),
+                values.transpose(0, 1).repeat_interleave(rep, 0), attn_mask=mask).transpose(0, 1)
+            start = end
+        return self.o_proj.forward(out.reshape(T, self.h * self.d))
+
+
+def positions(kvs: list[KVCache], counts: list[int], device) -> torch.Tensor:  # [T]
+    return torch.cat([torch.arange(kv.length, kv.length + n, device=device) for kv, n in zip(kvs, counts)])
+
+
+def advance(kvs: list[KVCache], counts: list[int]) -> None:
+    for kv, n in zip(kvs, counts):
+        kv.length += n
 
 
 class HeadLayer(nn.Module):
@@ -78,11 +92,13 @@ class HeadLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, kv: KVCache, layer: int, attn_in: torch.Tensor | None = None):
-        """x [n, H]: the residual stream; attn_in: what attention reads instead of norm(x)."""
+    def forward(self, x, cos_sin, kvs: list[KVCache], counts: list[int], layer: int,
+                attn_in: torch.Tensor | None = None):
+        """x [T, H]: the residual stream (rows as HeadAttention.forward); attn_in: what attention
+        reads instead of norm(x)."""
         if attn_in is None:
             attn_in = x if self.input_layernorm is None else self.input_layernorm.forward(x)
-        x = x + self.self_attn.forward(attn_in, cos_sin, kv, layer)
+        x = x + self.self_attn.forward(attn_in, cos_sin, kvs, counts, layer)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
     def load(self, tensors: dict[str, torch.Tensor], prefix: str, where: str) -> None:

@@ -29,16 +29,21 @@ class MedusaHeads(nn.Module):
         self.max_k = num_heads
         self.feature_dim = hidden
 
-    def head_logits(self, row: torch.Tensor, i: int) -> torch.Tensor:  # [H] -> [V] float32
-        x = row
+    def head_logits(self, rows: torch.Tensor, i: int) -> torch.Tensor:  # [B, H] -> [B, V] float32
+        x = rows
         for lin in self.blocks[i]:
             x = x + F.silu(lin.forward(x))
         return self.out[i].forward(x).float()
 
-    def draft(self, row: torch.Tensor, last_token: int, k: int, pick) -> list[int]:
-        """All k drafts from one state (parallel drafting): head i's choice does not feed head i+1."""
-        row = row.to(self.out[0].weight.dtype)
-        return [pick(self.head_logits(row, i), i) for i in range(k)]
+    def draft(self, rows: torch.Tensor, last_tokens: list[int], ks: list[int], pick) -> None:
+        """All drafts from one state per sequence (parallel drafting): head i's choice does not
+        feed head i+1. rows [B, H]; sequence b gets ks[b] drafts, pick(b, i, logits [V])."""
+        rows = rows.to(self.out[0].weight.dtype)
+        for i in range(max(ks, default=0)):
+            live = [b for b, k in enumerate(ks) if k > i]
+            logits = self.head_logits(rows[live], i)
+            for b, row in zip(live, logits):
+                pick(b, i, row)
 
 
 def load_medusa(cfg: dict, tensors: dict[str, torch.Tensor], hidden: int, vocab: int, dtype: torch.dtype,

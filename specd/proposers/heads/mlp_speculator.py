@@ -47,19 +47,19 @@ class MLPSpeculator(nn.Module):
         self.max_k = n_predict
         self.feature_dim = emb_dim
 
-    def draft(self, row: torch.Tensor, last_token: int, k: int, pick) -> list[int]:
-        """k drafts from one state in one pass: stage i reads stage i-1's state and drafted token."""
-        state = row.to(self.proj[0].weight.dtype)[None]  # [1, emb_dim]
+    def draft(self, rows: torch.Tensor, last_tokens: list[int], ks: list[int], pick) -> None:
+        """Drafts from one state per sequence in one pass: stage i reads stage i-1's state and
+        drafted token. rows [B, emb_dim]; sequence b gets ks[b] drafts, pick(b, i, logits [V])."""
+        state = rows.to(self.proj[0].weight.dtype)
         if self.scale_input:
             state = _ln(state) / math.sqrt(2)
-        token, out = last_token, []
-        for i in range(k):
-            z = self.emb[i].weight[token][None]
-            state = self.proj[i].forward(state) + (self.emb_weight / self.state_weight) * z
+        tokens = torch.tensor(last_tokens, device=state.device)
+        for i in range(max(ks, default=0)):
+            state = self.proj[i].forward(state) + (self.emb_weight / self.state_weight) * self.emb[i].weight[tokens]
             state = F.gelu(_ln(state, self.ln_weight[i], self.ln_bias[i]))
-            token = pick(self.head[i].forward(state)[0].float(), i)
-            out.append(token)
-        return out
+            logits = self.head[i].forward(state).float()  # [B, V]
+            tokens = torch.tensor([pick(b, i, row) if ks[b] > i else 0 for b, row in enumerate(logits)],
+                                  device=state.device)
 
 
 def load_mlp_speculator(cfg: dict, tensors: dict[str, torch.Tensor], target_hidden: int, target_vocab: int,
