@@ -27,6 +27,7 @@ from specd.proposers.heads.checkpoint import load_target_pieces, read_config, re
 CHAIN_METHODS = ("eagle", "eagle3")
 PARALLEL_METHODS = ("medusa", "mlp_speculator")
 METHODS = CHAIN_METHODS + PARALLEL_METHODS
+FINGERPRINT_KEY = "specd_target_fingerprint"  # in a head's config.json
 
 
 @dataclass
@@ -84,6 +85,9 @@ class HiddenStateProposer:
         self.generator = torch.Generator(device=self.device).manual_seed(
             secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, _State] = {}
+        # specd.engine.fingerprint of the target the head was trained for, when its trainer wrote it
+        # (published checkpoints carry none: the verifier then checks layers and hidden size only)
+        self.target_fingerprint = str(cfg.get(FINGERPRINT_KEY) or "")
 
     @property
     def hidden_size(self) -> int:

@@ -77,7 +77,8 @@ def test_sampled_q_equals_the_reference_distribution_at_every_step(layout, targe
     method, head_dir, ref = heads[layout]
     p = build(target_dir, method, head_dir, num_speculative_tokens=3, draft_sample_method="sampled",
               draft_top_k=V)
-    assert p.feature_layers == ref.feature_layers and p.hidden_size == H
+    assert p.feature_layers == ref.feature_layers and p.hidden_size == H and p.target_layers == L
+    assert p.target_fingerprint == ""  # published layouts carry none
     rows = features(model, PROMPT, p.feature_layers)
     (prop,) = p.propose([full(1, PROMPT, rows[:-1], 3, temperature=1.0, seed=7)])
     assert len(prop.token_ids) == 3 and len(prop.q_ids) == 3
@@ -199,3 +200,31 @@ def test_a_batch_drafts_what_each_sequence_drafts_alone(layout, target, heads):
     batch = [ProposeRequest(30, prompts[0][-2:], len(prompts[0]), 3, features=rows[0][-3:-1]),
              full(31, prompts[1], rows[1][:-1], 1), full(32, prompts[2], rows[2][:-1], 2)]
     assert [prop.token_ids for prop in p.propose(batch)] == alone
+
+
+def test_a_recorded_target_fingerprint_is_reported(target, heads, tmp_path):
+    import shutil
+
+    target_dir, _ = target
+    _, head_dir, _ = heads["mlp"]
+    d = tmp_path / "mlp"
+    shutil.copytree(head_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "specd_target_fingerprint": "ab12"}))
+    assert build(target_dir, "mlp_speculator", d).target_fingerprint == "ab12"
+
+
+def test_eagle_on_a_tied_target_uses_its_embeddings_as_lm_head(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   initializer_range=0.1, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "target")
+    method, head_dir, ref = write_layout("eagle", tmp_path / "eagle", model)
+    p = build(str(tmp_path / "target"), method, head_dir, num_speculative_tokens=3)
+    rows = features(model, PROMPT, p.feature_layers)
+    assert p.feature_layers == (4,)
+    assert p.propose([full(1, PROMPT, rows[:-1], 3)])[0].token_ids == ref.chain(PROMPT, rows[:-1], 3)[0]

@@ -101,6 +101,9 @@ def load_eagle(cfg: dict, tensors: dict[str, torch.Tensor], target: TargetPieces
     # The checkpoint's copy of the embeddings when it ships one (what the head was trained with).
     head.embed_tokens = tensors.get("embed_tokens.weight", target.embed_tokens)
     head.lm_head = target.lm_head
+    if tuple(head.embed_tokens.shape) != (target.arch.vocab_size, h):
+        raise ValueError(f"{where}: embeddings of shape {tuple(head.embed_tokens.shape)}, expected "
+                         f"{(target.arch.vocab_size, h)}")
     head = head.to(device=device, dtype=dtype)
     head.rotary.build(device, dtype)
     return head.eval()
