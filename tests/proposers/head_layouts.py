@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-LAYOUTS = ["eagle", "eagle_speculators", "eagle3", "eagle3_speculators", "medusa_pt", "medusa_st", "mlp",
-           "mlp_tied"]
+LAYOUTS = ["eagle", "eagle_speculators", "eagle3", "eagle3_speculators", "eagle3_speculators_norms", "medusa_pt",
+           "medusa_st", "mlp", "mlp_tied"]
 DRAFT_VOCAB = 48
 
 
@@ -119,13 +119,20 @@ class EagleRef:
 
 
 class Eagle3Ref(EagleRef):
-    def __init__(self, fc_w, layers, embed, cfg, hidden_norm, norm, lm_head, d2t, nbr, feature_layers):
+    def __init__(self, fc_w, layers, embed, cfg, hidden_norm, norm, lm_head, d2t, nbr, feature_layers,
+                 fc_norms=None, norm_output=False):
         super().__init__(fc_w, None, layers, embed, lm_head, cfg, feature_layers=feature_layers)
         self.hidden_norm, self.norm, self.d2t, self.nbr = hidden_norm, norm, d2t, nbr
+        self.fc_norms, self.norm_output = fc_norms, norm_output
+
+    def _fc(self, v):  # a target row: [norm_j(layer j) for each j] (fc_norm), then fc
+        if self.fc_norms is not None:
+            v = torch.cat([_rms(c, w) for c, w in zip(v.chunk(len(self.fc_norms)), self.fc_norms)])
+        return F.linear(v, self.fc_w)
 
     def run(self, tokens, hidden, from_target):
         e = self.embed[torch.tensor(tokens)]
-        h = torch.stack([F.linear(v, self.fc_w) if t else v for v, t in zip(hidden, from_target)])[None]
+        h = torch.stack([self._fc(v) if t else v for v, t in zip(hidden, from_target)])[None]
         first = self.layers[0]
         kw = self.causal.inputs(h)
         hn = _rms(h, self.hidden_norm)
@@ -134,11 +141,11 @@ class Eagle3Ref(EagleRef):
         x = x + first.mlp(first.post_attention_layernorm(x))
         for layer in self.layers[1:]:
             x = layer(x, **kw)
-        return x[0]
+        return _rms(x[0], self.norm) if self.norm_output else x[0]  # norm_output: fed back normed
 
     def logits(self, h):  # draft vocabulary scattered into target ids (the rest -inf)
         full = torch.full((self.embed.shape[0],), float("-inf"))
-        full[torch.arange(DRAFT_VOCAB) + self.d2t] = _rms(h, self.norm) @ self.lm_head.T
+        full[torch.arange(DRAFT_VOCAB) + self.d2t] = (h if self.norm_output else _rms(h, self.norm)) @ self.lm_head.T
         return full
 
     def chain(self, tokens, rows, k, forced=None):
@@ -175,7 +182,8 @@ class MedusaRef:
 
 class MLPRef:
     def __init__(self, t, n, inner, scale_input, tied, L):
-        self.t, self.n, self.inner, self.scale_input, self.tied, self.feature_layers = t, n, inner, scale_input, tied, (L,)
+        self.t, self.n, self.inner, self.scale_input, self.tied = t, n, inner, scale_input, tied
+        self.feature_layers = (L,)
 
     def chain(self, tokens, rows, k, forced=None):
         sw = 0.5 ** (0.5 / self.n)
@@ -227,8 +235,8 @@ def write_layout(name: str, d: Path, target):
             layer.input_layernorm = torch.nn.Identity()
             _save(d, {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]}, t, "pytorch_model.bin")
         return "eagle", d, EagleRef(fc_w, fc_b, [layer], embed, lm_head, cfg, emb_ln, pre_ln, (L,))
-    if name in ("eagle3", "eagle3_speculators"):
-        speculators = name == "eagle3_speculators"
+    if name.startswith("eagle3"):
+        speculators, norms = name.startswith("eagle3_speculators"), name.endswith("_norms")
         layers_ids = [1, 3, 6] if speculators else [2, L // 2, L - 3]
         cfg = _layer_cfg(target, layers=2 if speculators else 1)
         layers = [_hf_layer(cfg, in_dim=2 * H)] + ([_hf_layer(cfg)] if speculators else [])
@@ -242,11 +250,14 @@ def write_layout(name: str, d: Path, target):
         prefix = "layers.0." if speculators else "midlayer."
         t.update({prefix + k: v for k, v in layers[0].state_dict().items()})
         t[prefix + "hidden_norm.weight"] = hidden_norm
+        fc_norms = [_norm_w(H) for _ in range(3)] if norms else None
         if speculators:
             t.update({"layers.1." + k: v for k, v in layers[1].state_dict().items()})
+            t.update({f"fc_norm.{j}.weight": w for j, w in enumerate(fc_norms or [])})
             config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                       "transformer_layer_config": cfg.to_diff_dict(), "draft_vocab_size": DRAFT_VOCAB,
-                      "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": layers_ids,
+                      "norm_before_residual": not norms, "fc_norm": norms, "norm_output": norms,
+                      "eagle_aux_hidden_state_layer_ids": layers_ids,
                       "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                              "proposal_methods": [{"proposal_type": "greedy",
                                                                    "speculative_tokens": 3}],
@@ -256,7 +267,8 @@ def write_layout(name: str, d: Path, target):
         else:  # yuhuili/EAGLE3-*: Llama config + draft_vocab_size, pytorch_model.bin
             _save(d, {**cfg.to_dict(), "architectures": ["LlamaForCausalLMEagle3"],
                       "draft_vocab_size": DRAFT_VOCAB}, t, "pytorch_model.bin")
-        ref = Eagle3Ref(fc_w, layers, embed, cfg, hidden_norm, norm, lm, d2t, speculators, tuple(layers_ids))
+        ref = Eagle3Ref(fc_w, layers, embed, cfg, hidden_norm, norm, lm, d2t, speculators and not norms,
+                        tuple(layers_ids), fc_norms, norms)
         return "eagle3", d, ref
     if name.startswith("medusa"):
         heads, layers = 3, (1 if name == "medusa_pt" else 2)

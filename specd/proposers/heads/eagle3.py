@@ -64,7 +64,8 @@ class Eagle3Head(nn.Module):
             if self.input_norm is not None:
                 hidden = self.input_norm.forward(hidden)
             if self.fc_norm is not None:
-                hidden = torch.cat([n.forward(c) for n, c in zip(self.fc_norm, hidden.chunk(len(self.fc_norm), -1))], -1)
+                chunks = hidden.chunk(len(self.fc_norm), -1)
+                hidden = torch.cat([n.forward(c) for n, c in zip(self.fc_norm, chunks)], -1)
             hidden = self.fc.forward(hidden)
         cos_sin = self.rotary(positions(kvs, counts, emb.device))
         first = self.layers[0]

@@ -2,7 +2,8 @@
 
 The engine's DecoderLayer reads a paged cache shared by a batch; a head is one or two layers,
 so each sequence keeps a contiguous cache grown by doubling, and a batch runs its projections
-over all rows at once and its attention per sequence. RMSNorm, the MLP and rotary are the engine's own (specd/engine/model.py).
+over all rows at once and its attention per sequence. RMSNorm, the MLP and rotary are the
+engine's own (specd/engine/model.py, specd/engine/rotary.py).
 """
 from __future__ import annotations
 
