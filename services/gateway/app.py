@@ -138,13 +138,16 @@ class Gateway:
         turns NOT_SERVING when an engine step stalls, while the process still answers Info). Asked
         now, of every replica: one down is reported in `replicas` while another serves."""
         replicas = self.replicas.replicas
+        single = len(replicas) == 1 and not self.replicas.names  # the single-verifier gateway's answers
+        if not replicas:
+            return APIError(503, f"verifier: no replica found at {', '.join(self.replicas.addresses)}").response()
         whys = await asyncio.gather(*(r.check() for r in replicas))
         if all(whys):
-            if len(replicas) == 1:
+            if single:
                 return APIError(503, f"verifier: {whys[0]}").response()
             return APIError(503, "no verifier replica serves: " + "; ".join(
                 f"{r.address}: {why}" for r, why in zip(replicas, whys))).response()
-        if len(replicas) == 1:
+        if single:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "degraded" if any(whys) else "ok", "replicas": [
             {"replica": r.index, "address": r.address, "healthy": not why, **({"error": why} if why else {}),

@@ -10,7 +10,9 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 @dataclass
 class GatewayConfig:
-    verifier: str | list[str]  # host:port of the verifier's gRPC server; several (a list, or comma-separated): replicas
+    # host:port of the verifier's gRPC server; several (a list, or comma-separated): replicas;
+    # dns:host:port: every address host resolves to, looked up again while serving
+    verifier: str | list[str]
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required on /v1/* when set
@@ -35,8 +37,9 @@ class GatewayConfig:
         if not self.verifiers:
             raise ValueError(f"--verifier must be host:port, got {self.verifier!r}")
         for address in self.verifiers:
-            if ":" not in address:
-                raise ValueError(f"--verifier must be host:port, got {address!r}")
+            host, _, port = address.removeprefix("dns:").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--verifier must be host:port or dns:host:port, got {address!r}")
         if len(set(self.verifiers)) != len(self.verifiers):
             raise ValueError(f"--verifier names a replica twice: {', '.join(self.verifiers)}")
         if not 0 <= self.port <= 65535:

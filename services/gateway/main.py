@@ -20,7 +20,9 @@ log = logging.getLogger("specd.gateway")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", required=True, action="append", metavar="HOST:PORT",
                         help="the verifier's gRPC server; several replicas: repeat it or separate by commas "
-                             "(requests go to the least loaded, or by session: X-Session-Id header or `user`)")
+                             "(requests go to the least loaded, or by session: X-Session-Id header or `user`); "
+                             "dns:HOST:PORT: a replica per address HOST resolves to, looked up every 2 s "
+                             "(compose --scale, a headless Service)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
@@ -93,7 +95,7 @@ async def wait_for_any_info(addresses: list[str], wait_s: float, security=None):
     are polled, and get requests once they serve the same vocabulary)."""
     import asyncio
 
-    tasks = [asyncio.ensure_future(wait_for_info(a, wait_s, security)) for a in addresses]
+    tasks = [asyncio.ensure_future(_wait_for_info_at(a, wait_s, security)) for a in addresses]
     try:
         errors = []
         for next_done in asyncio.as_completed(tasks):
@@ -105,6 +107,32 @@ async def wait_for_any_info(addresses: list[str], wait_s: float, security=None):
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _wait_for_info_at(address: str, wait_s: float, security=None):
+    """wait_for_info; for dns:HOST:PORT, at the first address HOST resolves to (once it does)."""
+    import asyncio
+    import dataclasses
+    import socket
+
+    from .replicas import resolve, split_dns
+
+    name = split_dns(address)
+    if name is None:
+        return await wait_for_info(address, wait_s, security)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            found = await resolve(*name)
+            break
+        except (socket.gaierror, OSError) as e:
+            if loop.time() >= deadline:
+                raise RuntimeError(f"{address} did not resolve within {wait_s:g} s: {e}") from None
+            await asyncio.sleep(0.5)
+    if security is not None and security.tls_ca and not security.tls_server_name:
+        security = dataclasses.replace(security, tls_server_name=name[0])
+    return await wait_for_info(found[0], max(0.1, deadline - loop.time()), security)
 
 
 async def wait_for_info(address: str, wait_s: float, security=None):

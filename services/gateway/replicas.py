@@ -9,13 +9,21 @@ gateway's own in-flight count, which moves the moment it routes, is what spreads
 polled numbers add what other gateways (or an earlier burst still queued) put there.
 
 A single replica is the old single-verifier gateway: every request goes to it, whatever the polls say.
+
+Discovery: an address `dns:HOST:PORT` stands for every address HOST resolves to, resolved again
+every DISCOVERY_S (Compose's `--scale verifier=N` and a Kubernetes headless Service answer one
+record per replica). A replica that appears gets requests from its first healthy poll; one that
+disappears gets no new ones, and its channel closes when its last call ends. A failed lookup
+changes nothing (a resolver hiccup must not drop every replica).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,9 +32,11 @@ from specd.auth import VERIFIER, Security, aio_channel
 from specd.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
+from .errors import APIError
 from .metrics import GatewayMetrics
 
 POLL_S = 0.5
+DISCOVERY_S = 2.0
 POLL_TIMEOUT_S = 2.0
 KV_FULL = 0.95  # a replica with more of its KV cache in use than this gets new requests last
 VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -37,8 +47,9 @@ log = logging.getLogger("specd.gateway")
 class Replica:
     """One verifier: its channel, what the last poll said, and this gateway's calls on it."""
 
-    def __init__(self, index: int, address: str, security: Security):
+    def __init__(self, index: int, address: str, security: Security, name: str | None = None):
         self.index, self.address = index, address
+        self.name = name  # the dns: name it was discovered under; None when given as an address
         # grpc.aio channels belong to the event loop that creates them: made in ReplicaSet.start().
         # CHANNEL_OPTIONS: reconnect within 2 s of a restart, so a waiting retry finds it soon.
         self.channel = aio_channel(address, security, VERIFIER, options=CHANNEL_OPTIONS)
@@ -82,17 +93,36 @@ def affinity_rank(key: str, address: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest()
 
 
+def split_dns(address: str) -> tuple[str, int] | None:
+    """("HOST", PORT) of a `dns:HOST:PORT` address, else None."""
+    if not address.startswith("dns:"):
+        return None
+    host, _, port = address[4:].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """host:port for every address `host` resolves to (sorted, so replicas keep their order)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
 class ReplicaSet:
     def __init__(self, addresses: list[str], security: Security, metrics: GatewayMetrics, vocab_hash: str = ""):
         self.addresses, self.security, self.metrics, self.vocab_hash = addresses, security, metrics, vocab_hash
+        self.names = [split_dns(a) for a in addresses if split_dns(a)]
         self.replicas: list[Replica] = []
+        self._retired: list[Replica] = []  # gone from discovery; closed when their last call ends
+        self._next_index = 0
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.replicas = [Replica(i, a, self.security) for i, a in enumerate(self.addresses)]
-        for r in self.replicas:
-            self.metrics.replica_healthy.labels(r.address).set(1)
-        if len(self.replicas) > 1:
+        for address in self.addresses:
+            if split_dns(address) is None:
+                self._add(address)
+        await self._discover()
+        if len(self.replicas) > 1 or self.names:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def close(self) -> None:
@@ -100,13 +130,49 @@ class ReplicaSet:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for r in self.replicas:
+        for r in self.replicas + self._retired:
+            await r.channel.close()
+
+    def _add(self, address: str, name: str | None = None) -> None:
+        security = self.security
+        if name is not None and security.tls_ca and not security.tls_server_name:
+            security = dataclasses.replace(security, tls_server_name=name)  # its certificate names the name, not the IP
+        replica = Replica(self._next_index, address, security, name)
+        self._next_index += 1
+        self.replicas.append(replica)
+        if name is not None:  # it may still be loading: requests once a poll finds it serving
+            replica.healthy, replica.why = False, "not polled yet"
+            log.warning("verifier replica %d discovered at %s (%s)", replica.index, address, name)
+        self.metrics.replica_healthy.labels(address).set(1 if replica.healthy else 0)
+
+    async def _discover(self) -> None:
+        for host, port in self.names:
+            try:
+                found = await resolve(host, port)
+            except (socket.gaierror, OSError) as e:
+                log.debug("dns:%s:%d did not resolve: %s", host, port, e)
+                continue
+            mine = {r.address: r for r in self.replicas if r.name == host}
+            for address in found:
+                if address not in mine and all(r.address != address for r in self.replicas):
+                    self._add(address, host)
+            for address, r in mine.items():
+                if address not in found:
+                    log.warning("verifier replica %d (%s) gone from dns:%s", r.index, address, host)
+                    self.replicas.remove(r)
+                    self._retired.append(r)
+                    self.metrics.replica_healthy.remove(address)
+        for r in [r for r in self._retired if r.in_flight == 0]:
+            self._retired.remove(r)
             await r.channel.close()
 
     def pick(self, affinity: str | None = None, exclude: set[int] = frozenset()) -> Replica:
         """The replica for a new Generate call: not one in `exclude` (already failed this request)
         while another is left; a healthy one while there is one; by affinity key if given, else
         the least loaded."""
+        if not self.replicas:
+            raise APIError(503, f"verifier: no replica found at {', '.join(self.addresses)} yet; retry later",
+                           code="verifier_unavailable")
         candidates = [r for r in self.replicas if r.index not in exclude] or self.replicas
         live = [r for r in candidates if r.healthy] or candidates
         if affinity:
@@ -120,12 +186,19 @@ class ReplicaSet:
             self._set_health(replica, why)
 
     def _set_health(self, replica: Replica, why: str) -> None:
+        if replica not in self.replicas:
+            return  # gone from discovery while it was polled
         replica.healthy, replica.why = not why, why
         self.metrics.replica_healthy.labels(replica.address).set(0 if why else 1)
 
     async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_discovery = loop.time() + DISCOVERY_S
         while True:
-            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            if self.names and loop.time() >= next_discovery:
+                await self._discover()
+                next_discovery = loop.time() + DISCOVERY_S
+            await asyncio.gather(*(self._poll(r) for r in list(self.replicas)))
             await asyncio.sleep(POLL_S)
 
     async def _poll(self, r: Replica) -> None:

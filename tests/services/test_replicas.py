@@ -291,6 +291,75 @@ def test_killing_a_replica_loses_no_request_without_a_token(stack, reference):
     assert health.status_code == 503 and "no verifier replica serves" in health.json()["error"]["message"]
 
 
+def test_gateway_discovers_replicas_by_dns(launcher, reference, tmp_path):
+    """--verifier dns:NAME:PORT: a replica per address NAME resolves to, looked up again while
+    serving, as under `docker compose --scale verifier=N`. The gateway runs in its own mount
+    namespace, where /etc/hosts is a file of this test's (no DNS server, nothing of the host's
+    changed); the replicas listen on 127.0.0.2 and 127.0.0.3, one port, as containers would."""
+    if os.geteuid() != 0:
+        pytest.skip("a private /etc/hosts needs root (unshare -m, mount --bind)")
+    hosts = tmp_path / "hosts"
+    name = "verifiers.specd.test"
+
+    def write_hosts(*ips: str) -> None:  # in place: the bind mount shows the same inode
+        with open(hosts, "w") as f:
+            f.write("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for ip in ips))
+
+    write_hosts("127.0.0.2")
+    port, http = launcher.free_port(), launcher.free_port()
+    replicas = []
+    for ip in ("127.0.0.2", "127.0.0.3"):
+        replicas.append(launcher.start(f"verifier-{ip}", "verifier", ["--model", str(MODEL_DIR), "--host", ip,
+                                                                      "--no-speculation", "--log-level", "warning"],
+                                       port=port, wait=False))
+    for ip, service in zip(("127.0.0.2", "127.0.0.3"), replicas):
+        deadline = time.monotonic() + 120
+        while not grpc_serving(f"{ip}:{port}"):
+            assert service.proc.poll() is None and time.monotonic() < deadline, service.log_text()[-2000:]
+            time.sleep(0.2)
+    log = tmp_path / "gateway.log"
+    command = (f"mount --bind {hosts} /etc/hosts && exec {sys.executable} -m specd.cli gateway --verifier "
+               f"dns:{name}:{port} --port {http} --log-level warning")
+    with open(log, "w") as f:
+        gateway = subprocess.Popen(["unshare", "-m", "sh", "-c", command], stdout=f, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    base = f"http://127.0.0.1:{http}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def replicas_seen() -> list[tuple[str, bool]]:
+        try:
+            reply = httpx.get(f"{base}/health", timeout=5).json()
+        except httpx.HTTPError:
+            return []
+        return [(r["address"], r["healthy"]) for r in reply.get("replicas", [])]
+
+    def wait_for(expected, what):
+        deadline = time.monotonic() + 60
+        while replicas_seen() != expected:
+            assert gateway.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, f"{what}: {replicas_seen()}"
+            time.sleep(0.2)
+
+    try:
+        wait_for([(f"127.0.0.2:{port}", True)], "the first replica")
+        write_hosts("127.0.0.2", "127.0.0.3")  # scaled up
+        wait_for([(f"127.0.0.2:{port}", True), (f"127.0.0.3:{port}", True)], "the second replica discovered")
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: client.completions.with_raw_response.create(
+                model=MODEL, prompt=p, max_tokens=N, temperature=0, extra_body={"ignore_eos": True}), PROMPTS[:6]))
+        assert {int(r.headers["x-specd-replica"]) for r in results} == {0, 1}
+        assert [r.parse().choices[0].text for r in results] == [reference(p) for p in PROMPTS[:6]]
+        write_hosts("127.0.0.3")  # scaled down: the first one leaves
+        wait_for([(f"127.0.0.3:{port}", True)], "the first replica gone")
+        for p in PROMPTS[:3]:
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=p, max_tokens=N, temperature=0,
+                                                              extra_body={"ignore_eos": True})
+            assert (raw.headers["x-specd-replica"], raw.parse().choices[0].text) == ("1", reference(p))
+    finally:
+        gateway.kill()
+        gateway.wait()
+
+
 def _children(pid: int) -> dict[int, str]:
     """pid -> command line of the processes whose parent is pid."""
     out = {}
