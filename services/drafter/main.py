@@ -1,8 +1,10 @@
-"""`specd drafter`: host one proposer (draft_model, ngram or suffix) as a gRPC service."""
+"""`specd drafter`: host one proposer (draft_model, ngram, suffix, or a hidden-state head: eagle,
+eagle3, medusa, mlp_speculator) as a gRPC service."""
 from __future__ import annotations
 
 import argparse
 
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
 HELP = "run a drafter service (gRPC) hosting one proposer"
 DEFAULT_PORT = 50061
 
@@ -11,9 +13,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specd import auth
     from specd.metrics_port import add_metrics_port_argument
 
-    p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix"])
+    p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix", *HEAD_METHODS])
     p.add_argument("--model", default=None,
-                   help="draft model directory or hub id (draft_model; default: the trained drafter of the default target, fetched once)")
+                   help="draft model directory or hub id (draft_model; default: the trained drafter of the default "
+                        "target, fetched once), or the head's checkpoint (eagle, eagle3, medusa, mlp_speculator)")
+    p.add_argument("--target", default=None,
+                   help="hidden-state heads: the target model they draft for (directory, hub id or GGUF; default: "
+                        "the default target, fetched once): its layer count and hidden size, and EAGLE's "
+                        "embeddings and LM head. The verifier refuses a head built for another target")
     p.add_argument("--name", default=None, help="name reported by Info (default: the method)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -57,14 +64,23 @@ def build_proposer(args):
         model = default_drafter()
     if args.dtype is not None:
         options["draft_dtype"] = args.dtype
+    target = None
+    if args.method in HEAD_METHODS:
+        from specd.model_store import default_target
+
+        target = args.target or default_target()
+        options["target_model"] = target
+    elif args.target:
+        raise ValueError("--target is for hidden-state heads (eagle, eagle3, medusa, mlp_speculator)")
     spec = SpeculativeConfig.parse({**options, "method": args.method, "model": model,
                                     "num_speculative_tokens": args.num_speculative_tokens})
     proposer = make_proposer(spec, target_vocab_size=None, device=args.device)
     vocab_size, vocab_hash = 0, ""
-    if args.method == "draft_model":
+    if args.method == "draft_model" or target:
         from specd.engine.loader import resolve_model_dir
 
-        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(model))
+        # A head drafts the target's ids: its vocabulary is the target's tokenizer.
+        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(target or model))
     info = drafter_pb2.DrafterInfoResponse(name=args.name or args.method, method=args.method, model=model or "",
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)
