@@ -15,8 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -26,6 +28,8 @@ from specd.demo_paths import demo_model_dir
 from specd.gateway.replicas import affinity_rank
 from specd.sampling import SamplingParams
 from specd.up import drafters_registered, grpc_serving
+from specd.v1 import verifier_pb2 as pb
+from specd.v1 import verifier_pb2_grpc as pbg
 
 MODEL = "specd-demo-target"
 MODEL_DIR = demo_model_dir("target")
@@ -358,6 +362,76 @@ def test_gateway_discovers_replicas_by_dns(launcher, reference, tmp_path):
     finally:
         gateway.kill()
         gateway.wait()
+
+
+class _Scripted(pbg.VerifierServicer):
+    """An in-process verifier: `full` refuses every request as a full queue does, else it answers
+    four fixed tokens."""
+
+    def __init__(self, full: bool):
+        self.full, self.calls = full, 0
+
+    def Generate(self, request, context):
+        self.calls += 1
+        if self.full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server is overloaded: 9 requests are waiting")
+        yield pb.GenerateChunk(token_ids=[65, 66, 67, 68], finish_reason="length",
+                               prompt_tokens=len(request.prompt_token_ids), completion_tokens=4)
+
+
+@pytest.fixture()
+def scripted():
+    servers, servicers = [], []
+
+    def start(full: bool) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        servicer = _Scripted(full)
+        pbg.add_VerifierServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        servicers.append(servicer)
+        return f"127.0.0.1:{port}"
+
+    start.servicers = servicers
+    yield start
+    for server in servers:
+        server.stop(grace=None)
+
+
+def _closed_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once it is closed
+
+
+def _gateway(addresses: list[str]):
+    from starlette.testclient import TestClient
+
+    from specd.gateway.app import build_app
+    from specd.gateway.config import GatewayConfig, ModelInfo
+    from specd.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(MODEL_DIR)
+    model = ModelInfo(name=MODEL, path=str(MODEL_DIR), max_model_len=256, vocab_size=tok.vocab_size)
+    return TestClient(build_app(GatewayConfig(verifier=addresses), model, tok))
+
+
+def test_a_full_replica_passes_the_request_on_and_all_full_is_429(scripted):
+    """RESOURCE_EXHAUSTED before the first token moves the request to a replica it has not tried
+    (no token was sent, so nothing repeats); only when every replica refused does the client
+    get the 429, with Retry-After. A dead address in the list is passed over the same way."""
+    full, serving, dead = scripted(True), scripted(False), _closed_port()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    with _gateway([full, dead, serving]) as client:
+        for _ in range(3):  # whichever replica each starts at, every one ends on the serving replica
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-specd-replica"] == "2", r.text
+    assert scripted.servicers[1].calls == 3
+    with _gateway([full, scripted(True)]) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"], r.text
+    assert scripted.servicers[0].calls >= 2 and scripted.servicers[2].calls == 1
 
 
 def _children(pid: int) -> dict[int, str]:
