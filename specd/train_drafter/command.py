@@ -22,8 +22,9 @@ HELP = "train the draft model for a target by distillation (default: the default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="draft_model", choices=["draft_model"],
-                   help="what to train (draft_model: a few-layer model sharing the target's embeddings)")
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"],
+                   help="what to train (draft_model: a few-layer model sharing the target's embeddings; "
+                        "eagle: an EAGLE head on the target's hidden states, written to --out)")
     p.add_argument("--target", default=None, help="target model directory (default: the fetched default target)")
     p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct-drafter)")
     p.add_argument("--prompts", type=int, default=640, help="training prompts the target answers")
@@ -43,6 +44,13 @@ def run(args) -> int:
 
     set_determinism(0, args.threads)
     target = Path(args.target) if args.target else fetch()[0]
+    if args.method == "eagle":
+        from specd.train_drafter.eagle import train_eagle
+
+        if not args.out:
+            raise SystemExit("--method eagle needs --out (the head's directory)")
+        train_eagle(target, Path(args.out), args)
+        return 0
     out = Path(args.out) if args.out else committed_drafter_dir()
     if not args.card_only:
         train_drafter(target, out, _config(args), args)
