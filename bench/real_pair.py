@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP = [{"role": "user", "content": "Say hello in five words."}]  # in no workload (suffix caches answers)
-METHODS = ("draft_model", "ngram", "suffix")
+METHODS = ("draft_model", "ngram", "suffix", "eagle")
 WORKLOADS = ("chat", "code_edit", "summarize")
 STAGES = ("offline", "http", "peers")
 T0 = time.monotonic()
@@ -70,7 +70,10 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="HTTP repeats per cell (default 3; --quick 1)")
     ap.add_argument("--only", type=csv(str), default=list(STAGES), help="offline,http,peers")
     ap.add_argument("--workloads", type=csv(str), default=list(WORKLOADS))
-    ap.add_argument("--methods", type=csv(str), default=list(METHODS))
+    ap.add_argument("--methods", type=csv(str), default=None,
+                    help="default: draft_model, ngram, suffix, and eagle where an EAGLE head is found")
+    ap.add_argument("--eagle", default=None,
+                    help="EAGLE head directory (default: models/SmolLM2-135M-Instruct-eagle when it exists)")
     ap.add_argument("--batches", type=csv(int), default=[1, 8])
     ap.add_argument("--temps", type=csv(float), default=[0.0, 0.7])
     ap.add_argument("--http-batches", type=csv(int), default=None, help="default: --batches")
@@ -97,7 +100,7 @@ def parse_args(argv=None):
     args.peer_prompts = args.peer_prompts or args.prompts
     args.http_batches = args.http_batches or args.batches
     args.out = Path(args.out or RESULTS / ("real_pair_quick" if q else "real_pair"))
-    bad = ([m for m in args.methods + args.b32_drafters if m not in METHODS]
+    bad = ([m for m in (args.methods or []) + args.b32_drafters if m not in METHODS]
            + [w for w in args.workloads if w not in WORKLOADS] + [o for o in args.only if o not in STAGES])
     if bad:
         ap.error(f"unknown method/workload/stage: {', '.join(bad)}")
@@ -107,6 +110,12 @@ def parse_args(argv=None):
 
     args.target = str(args.target or model_store.target_dir())
     args.drafter = str(args.drafter or model_store.drafter_dir())
+    committed_eagle = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
+    args.eagle = args.eagle or (str(committed_eagle) if (committed_eagle / "config.json").is_file() else None)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m != "eagle" or args.eagle]
+    if "eagle" in args.methods and not args.eagle:
+        ap.error("method eagle needs --eagle (an EAGLE head: specd train-drafter --method eagle)")
     for what in ("target", "drafter"):
         if not (Path(getattr(args, what)) / "config.json").is_file():
             ap.error(f"--{what} {getattr(args, what)}: no config.json (run `specd models fetch`, or pass --{what})")
@@ -165,10 +174,13 @@ def instrument(llm) -> StepLog:
     return rec
 
 
-def spec_config(method: str, k: int, temperature: float, drafter: str, dtype: str = "auto") -> dict:
+def spec_config(method: str, k: int, temperature: float, drafter: str, dtype: str = "auto",
+                eagle: str | None = None, target: str | None = None) -> dict:
     cfg = {"method": method, "num_speculative_tokens": k, "adaptive": False}
-    if method == "draft_model":
-        cfg["model"] = drafter
+    if method in ("draft_model", "eagle"):
+        cfg["model"] = drafter if method == "draft_model" else eagle
+        if method == "eagle":
+            cfg["target_model"] = target
         cfg["draft_dtype"] = dtype  # the drafter runs in the target's dtype
         if temperature > 0:
             cfg["draft_sample_method"] = "sampled"
@@ -245,7 +257,7 @@ def offline_stage(args, prompts: dict) -> list[dict]:
                 runs = []
                 for method in args.methods:
                     for k in args.k:
-                        cfg = spec_config(method, k, temp, args.drafter, args.dtype)
+                        cfg = spec_config(method, k, temp, args.drafter, args.dtype, args.eagle, args.target)
                         key = (method, k, cfg.get("draft_sample_method"))
                         runs.append((method, k, offline_run(*get(key, cfg), reqs, batch, temp, args.max_tokens)))
                         if method == "suffix":  # its global cache of answers must not outlive the run

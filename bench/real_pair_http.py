@@ -27,6 +27,7 @@ DRAFTER_OPTIONS = {  # what the offline rows use, as drafter-side options
     "draft_model": {"draft_sample_method": "sampled"},  # sampled drafts only where temperature > 0
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {},
+    "eagle": {"draft_sample_method": "sampled"},
 }
 
 
@@ -40,8 +41,9 @@ class Services:
     """Drafters + verifier + gateway as child processes; a context manager that always cleans up."""
 
     def __init__(self, target: str, drafter: str, methods: list[str], threads: int, dtype: str, max_k: int,
-                 propose_timeout_ms: float | None = None):
+                 propose_timeout_ms: float | None = None, eagle: str | None = None):
         self.target, self.drafter, self.methods, self.threads, self.dtype = target, drafter, methods, threads, dtype
+        self.eagle = eagle
         self.max_k, self.propose_timeout_ms = max_k, propose_timeout_ms
         self.stack = Stack()
         self.ports = {m: free_port() for m in methods}
@@ -55,6 +57,8 @@ class Services:
                 "--num-speculative-tokens", str(max(8, self.max_k))]
         if method == "draft_model":
             argv += ["--model", self.drafter, "--dtype", self.dtype]
+        elif method == "eagle":
+            argv += ["--model", self.eagle, "--target", self.target, "--dtype", self.dtype]
         if DRAFTER_OPTIONS[method]:
             argv += ["--options", json.dumps(DRAFTER_OPTIONS[method])]
         return argv
@@ -189,7 +193,7 @@ def http_stage(args, prompts: dict, requests_for, log) -> tuple[list[dict], list
     rows, b32_rows, notes = [], [], []
     base = {"stage": "http", "threads": args.threads, "dtype": args.dtype, "max_tokens": args.max_tokens}
     with Services(args.target, args.drafter, args.methods, args.threads, args.dtype, max(args.k + [args.http_k]),
-                  args.propose_timeout_ms) as svc:
+                  args.propose_timeout_ms, args.eagle) as svc:
         client = Client(svc.base_url)
         warm = [{"messages": [{"role": "user", "content": "Say hello in five words."}], "seed": 0}]
         for m in [None, *args.methods]:
