@@ -223,9 +223,11 @@ class DrafterPool:
         batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases,
                                          traceparent=current_traceparent())
         client.releases = []
-        pieces = [wire_pieces(r, client.feature_layers) for r in requests]
+        # Every message stays under MAX_FEATURE_BYTES of features: each sequence gets its share.
+        budget = MAX_FEATURE_BYTES // max(1, len(requests))
+        pieces = [wire_pieces(r, client.feature_layers, budget) for r in requests]
         try:
-            # A long history whose features exceed one message goes first, in k = 0 pieces.
+            # A long history whose features exceed its share goes first, in k = 0 pieces.
             for depth in range(max(len(p) for p in pieces) - 1):
                 lead = drafter_pb2.ProposeBatch(client_id=self.client_id)
                 for p in pieces:
@@ -281,9 +283,9 @@ def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> No
         tensor_to_proto(r.features, entry.features)
 
 
-def wire_pieces(req: ProposeRequest, layers: tuple[int, ...]) -> list[ProposeRequest]:
+def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | None = None) -> list[ProposeRequest]:
     """req as a drafter wanting `layers` gets it: only those feature columns (none for a
-    token-only drafter), split into pieces of at most MAX_FEATURE_BYTES of features each.
+    token-only drafter), split into pieces of at most max_bytes (MAX_FEATURE_BYTES) of features.
     Row j of req.features is the state that predicted token `first + j` (first = 1 for a full
     history, else the first new token), so pieces cut the tokens and the rows at the same place."""
     if not layers or req.features is None:
@@ -293,7 +295,7 @@ def wire_pieces(req: ProposeRequest, layers: tuple[int, ...]) -> list[ProposeReq
         hidden = rows.shape[1] // len(req.feature_layers)
         cols = [req.feature_layers.index(j) for j in layers]
         rows = rows.view(rows.shape[0], len(req.feature_layers), hidden)[:, cols].reshape(rows.shape[0], -1)
-    max_rows = max(1, MAX_FEATURE_BYTES // (rows.shape[1] * rows.element_size()))
+    max_rows = max(1, (max_bytes or MAX_FEATURE_BYTES) // (rows.shape[1] * rows.element_size()))
     start = req.num_tokens - len(req.new_tokens)  # position of new_tokens[0]
     first = start + 1 if req.full_history else start  # token predicted by row 0
     out, tok, row = [], start, 0

@@ -99,7 +99,8 @@ def test_the_drafter_receives_the_targets_hidden_states_in_pieces(loop, model_di
     assert [outputs[i] for i in range(len(prompts))] == [r[len(p):] for r, p in zip(references, prompts)]
     assert all(rows == wanted for _, _, rows, wanted, _ in recorder.requests)
     pieces = [r for r in recorder.requests if r[4] == 0]  # the long prompt's leading pieces
-    assert len(pieces) == 2 and pieces[0][0] and not pieces[1][0]
+    assert len(pieces) >= 2 and pieces[0][0]
+    assert all(rows <= 16 for _, _, rows, _, _ in recorder.requests)  # none over the message bound
     assert sum(full for full, *_ in recorder.requests) == len(prompts)  # one full history each
     assert sum(r[4] > 0 for r in recorder.requests) > len(prompts)  # and drafting steps after it
     for i, seen in recorder.rows.items():
