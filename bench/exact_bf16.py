@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-repeats", type=int, default=3)
     p.add_argument("--no-control", action="store_true", help="skip the mode-off comparison")
+    p.add_argument("--skip-cost", action="store_true", help="token comparison only (measure the cost later, quietly)")
+    p.add_argument("--cost-only", action="store_true",
+                   help="measure only the cost, into the existing --out results (on a quiet machine)")
     p.add_argument("--out", default=str(RESULTS / "exact_bf16"))
     return p.parse_args(argv)
 
@@ -80,6 +83,26 @@ def decode_tok_s(llm, prompts, params, batch: int) -> float:
     return toks / (time.perf_counter() - t - t1)
 
 
+def measure_cost(args, prompts) -> list[dict]:
+    """Plain decode tok/s with the mode on vs off, interleaved runs, batch 1 and args.batch."""
+    from specd import SamplingParams
+
+    llms = {inv: make_llm(None, inv) for inv in (True, False)}
+    cost_prompts = prompts[:max(4, args.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    cost = []
+    for batch, ps in ((1, cost_prompts[:4]), (args.batch, cost_prompts[:args.batch])):
+        runs = {True: [], False: []}
+        for _ in range(args.cost_repeats):
+            for inv in (True, False):
+                runs[inv].append(decode_tok_s(llms[inv], ps, params, batch))
+        on, off = statistics.median(runs[True]), statistics.median(runs[False])
+        cost.append({"batch": batch, "prompts": len(ps), "tok_s_on": on, "tok_s_off": off, "ratio": on / off,
+                     "runs_on": runs[True], "runs_off": runs[False]})
+        print(f"cost batch {batch}: on {on:.1f} tok/s, off {off:.1f} tok/s, {on / off:.3f}x", file=sys.stderr)
+    return cost
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -91,8 +114,21 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     info = machine_info(args.threads, "cpu", "bfloat16")
+    out = Path(args.out)
+    if args.cost_only:
+        result = json.loads(out.with_suffix(".json").read_text())
+        llm = make_llm(None, True)
+        prompts = [chat_prompt_ids(llm.tokenizer, m) for m in workload("chat", args.prompts)]
+        del llm
+        result["cost"] = measure_cost(args, prompts)
+        result["cost_machine"] = {**info, "load_avg_end": os.getloadavg()[0], "elapsed_s": time.monotonic() - t0}
+        result["cost_command"] = " ".join(["python", "bench/exact_bf16.py", *(argv or sys.argv[1:])])
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(render(result))
+        print(f"wrote {out}.md", file=sys.stderr)
+        return 0
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rows, cost = [], []
+    rows = []
     for invariant in ([True] if args.no_control else [True, False]):
         plain = make_llm(None, invariant)
         prompts = [chat_prompt_ids(plain.tokenizer, m) for m in workload("chat", args.prompts)]
@@ -109,24 +145,11 @@ def main(argv=None) -> int:
                          "tokens": sum(len(x) for x in got)})
             print(f"invariant={invariant} {method:12s} batch {batch:3d}: {rows[-1]['identical']}/{args.prompts} identical",
                   file=sys.stderr, flush=True)
-    # Cost of the mode: plain decode, on vs off, interleaved.
-    llms = {inv: make_llm(None, inv) for inv in (True, False)}
-    cost_prompts = prompts[:max(4, args.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    for batch, ps in ((1, cost_prompts[:4]), (args.batch, cost_prompts[:args.batch])):
-        runs = {True: [], False: []}
-        for _ in range(args.cost_repeats):
-            for inv in (True, False):
-                runs[inv].append(decode_tok_s(llms[inv], ps, params, batch))
-        on, off = statistics.median(runs[True]), statistics.median(runs[False])
-        cost.append({"batch": batch, "prompts": len(ps), "tok_s_on": on, "tok_s_off": off, "ratio": on / off,
-                     "runs_on": runs[True], "runs_off": runs[False]})
-        print(f"cost batch {batch}: on {on:.1f} tok/s, off {off:.1f} tok/s, {on / off:.3f}x", file=sys.stderr)
+    cost = [] if args.skip_cost else measure_cost(args, prompts)
     info["load_avg_end"] = os.getloadavg()[0]
     result = {"machine": info, "command": " ".join(["python", "bench/exact_bf16.py", *(argv or sys.argv[1:])]),
               "settings": vars(args) | {"k": 4, "dtype": "bfloat16", "workload": "chat"},
               "rows": rows, "cost": cost, "elapsed_s": time.monotonic() - t0}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(result))
@@ -150,6 +173,10 @@ def render(r: dict) -> str:
     lines += ["", "Cost of the mode (plain decode, 128 tokens, median of interleaved runs):", "",
               "| batch | mode on tok/s | mode off tok/s | on / off |", "|---:|---:|---:|---:|"]
     lines += [f"| {c['batch']} | {c['tok_s_on']:.1f} | {c['tok_s_off']:.1f} | {c['ratio']:.3f} |" for c in r["cost"]]
+    if "cost_machine" in r:
+        c = r["cost_machine"]
+        lines += ["", f"The cost was measured separately (`{r['cost_command']}`): torch threads {c['threads']}; load "
+                  f"average {c['load_avg_start']:.2f} at start, {c['load_avg_end']:.2f} at end; {c['date']}."]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['threads']}, torch {m['torch']}; "
               f"load average {m['load_avg_start']:.2f} at start, {m['load_avg_end']:.2f} at end; {m['date']}; "
               f"{r['elapsed_s'] / 60:.0f} min.", ""]
