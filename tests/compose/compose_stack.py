@@ -1,23 +1,22 @@
 """Start a compose stack for the `docker`-marked tests (test_compose.py, test_compose_secure.py).
 
+The images are built the documented registry-free way: the base image from
+deploy/build-base-image.sh where it exists, and the CPU torch wheel from wheels/ in the build
+context (wheels/README.md). Where wheels/ lacks it, the wheel is copied in from a local wheel
+directory (PIP_FIND_LINKS), the README's `cp` step; no wheel is served over HTTP and no second
+pip index is passed.
+
 Environment:
   SPECD_BASE_IMAGE       base image (default specd-base:bookworm if built, else python:3.11-slim)
-  SPECD_WHEELHOUSE       local wheel directories (os.pathsep-separated; default: the local
-                         directories in PIP_FIND_LINKS), served over HTTP to the image builds,
-                         so e.g. the host's CPU torch wheel is used where the PyTorch index is
-                         unreachable
-  SPECD_TORCH_INDEX_URL, SPECD_EXTRA_PIP_ARGS  passed on to compose.yaml's build arguments
+  SPECD_EXTRA_PIP_ARGS   passed on to compose.yaml's build arguments (e.g. a mirror)
 """
 from __future__ import annotations
 
-import functools
-import http.server
-import ipaddress
 import os
+import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from specd import auth
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 SECURE_FILE = ROOT / "compose.secure.yaml"
-MODEL = "specd-demo-target"
-MAX_TOKENS = 48
+WHEELS = ROOT / "wheels"
+MODEL = "SmolLM2-135M-Instruct"  # the default pair, baked into the images
+MAX_TOKENS = 32
 ONE_SHOT = {"drafter-ngram-register"}
 
 
@@ -61,18 +61,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
+def torch_pin() -> str:
+    return re.search(r'"torch==([^";]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
 
 
-@functools.lru_cache(maxsize=None)
-def serve_dir(directory: str, host: str) -> http.server.ThreadingHTTPServer:
-    """One server per directory for the whole session: the same port gives the same build
-    arguments, so a second stack reuses the first one's image layers."""
-    server = http.server.ThreadingHTTPServer((host, 0), functools.partial(QuietHandler, directory=directory))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def ensure_cpu_torch_wheel() -> Path:
+    """wheels/ holds the pinned CPU torch wheel (copied from a local wheel directory if not yet)."""
+    pattern = f"torch-{torch_pin()}+cpu-cp311-cp311-*.whl"  # the base images' Python is 3.11
+    found = sorted(WHEELS.glob(pattern))
+    if found:
+        return found[0]
+    for d in os.environ.get("PIP_FIND_LINKS", "").split():
+        for wheel in sorted(Path(d).glob(pattern)) if os.path.isdir(d) else []:
+            shutil.copy(wheel, WHEELS / wheel.name)  # wheels/README.md: `cp ... wheels/`
+            report(f"copied {wheel} to wheels/")
+            return WHEELS / wheel.name
+    pytest.skip(f"wheels/ has no {pattern} and no local wheel directory has one: fill it as wheels/README.md says")
 
 
 class Stack:
@@ -162,29 +166,20 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
             env["SPECD_BASE_IMAGE"] = "specd-base:bookworm"
         except docker.errors.ImageNotFound:
             env["SPECD_BASE_IMAGE"] = "python:3.11-slim"
-    # Local wheel directories reach the image builds over HTTP on the docker bridge's gateway.
-    wheel_dirs = [d for d in (env.get("SPECD_WHEELHOUSE", "").split(os.pathsep) if env.get("SPECD_WHEELHOUSE")
-                              else env.get("PIP_FIND_LINKS", "").split()) if d and os.path.isdir(d)]
-    pip_args = [env.get("SPECD_EXTRA_PIP_ARGS", "")]
-    if wheel_dirs:
-        ipam = client.networks.get("bridge").attrs["IPAM"]["Config"][0]  # Gateway is absent on some engines
-        bridge_ip = ipam.get("Gateway") or str(ipaddress.ip_network(ipam["Subnet"])[1])
-        for d in wheel_dirs:
-            pip_args.append(f"--find-links http://{bridge_ip}:{serve_dir(d, bridge_ip).server_address[1]}/")
-        pip_args.append(f"--trusted-host {bridge_ip}")
-        if "SPECD_TORCH_INDEX_URL" not in env and any(p.name.startswith("torch-") and "+cpu" in p.name
-                                                      for d in wheel_dirs for p in Path(d).glob("*.whl")):
-            env["SPECD_TORCH_INDEX_URL"] = ""  # the wheelhouse has the CPU torch: no PyTorch index needed
-    env["SPECD_EXTRA_PIP_ARGS"] = " ".join(a for a in pip_args if a)
+    for key in ("SPECD_TORCH_VARIANT", "SPECD_TORCH_INDEX_URL", "SPECD_IMAGE_TAG", "SPECD_TARGET_MODEL",
+                "SPECD_DRAFTER_MODEL"):
+        env.pop(key, None)  # the defaults: CPU torch from wheels/, the default pair, :latest
+    wheel = ensure_cpu_torch_wheel()
     ports = {k: str(free_port()) for k in ("SPECD_GATEWAY_PORT", "SPECD_VERIFIER_PORT", "SPECD_PROMETHEUS_PORT")}
     env.update(ports)
     project = f"specdtest{os.getpid()}{'s' if SECURE_FILE in files else ''}"
     stack = Stack(client, binaries[0], files, project, env, ports, security)
     report(f"compose: {' '.join(stack.compose)} -f {' -f '.join(f.name for f in files)}; project {project}; "
-           f"base image {env['SPECD_BASE_IMAGE']}; wheelhouse {wheel_dirs or 'none'}; ports {ports}")
+           f"base image {env['SPECD_BASE_IMAGE']}; torch from wheels/{wheel.name}; ports {ports}")
     try:
         t0 = time.monotonic()
-        stack.run(*profiles, "build")
+        # v1 builds with the classic builder: --force-rm removes a failed step's container too
+        stack.run(*profiles, "build", *(["--force-rm"] if stack.compose == ["docker-compose"] else []))
         report(f"images built in {time.monotonic() - t0:.1f} s: "
                + ", ".join(f"{t} {client.images.get(t).attrs['Size'] / 1e6:.0f} MB"
                            for t in ("specd-verifier", "specd-drafter", "specd-gateway", "specd-prometheus")))

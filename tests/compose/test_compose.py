@@ -3,16 +3,22 @@
 Cheap checks (no Docker engine needed) run with the rest of the suite: the shape of
 compose.yaml and of compose.secure.yaml (its commands are compose.yaml's plus the secrets'
 flags), `docker-compose config -q` / `docker compose config -q` where a binary exists (with
-and without the secure override), deploy/make-secrets.sh's certificate serving gRPC TLS to
-the containers' healthcheck, and the pure helpers of specd/docker_swap.py.
+and without the secure override), the Dockerfiles' shared stages and torch variants
+(deploy/docker/install-torch.sh run with a stand-in pip: the missing CPU wheel stops it with
+the command that fills wheels/, a CUDA tag asks the PyTorch index for it alone, matching the
+Kubernetes GPU overlay's :cuda images), deploy/make-secrets.sh's certificate serving gRPC TLS
+to the containers' healthcheck, and the pure helpers of specd/docker_swap.py.
 
-The `docker`-marked tests build the images, start the stack (`--profile ngram`), and check,
-through the published ports: a streamed chat completion via the official `openai` client;
-Prometheus scraping every service (plus each /metrics parsed from the host); the Grafana
-dashboard's queries evaluating in Prometheus; a drafter container swapped while 8 streams run
-(no failed request, greedy text identical to plain decoding); a swap that rolls back. They
-run only when asked for (`make compose-test`, or `pytest -m docker tests/compose`): building
-takes minutes. `docker compose down -v` at the end. test_compose_secure.py does the same with
+The `docker`-marked tests build the images the registry-free way (compose_stack.py), start
+the stack (`--profile ngram`; Grafana's image is not there and is never pulled), and check,
+through the published ports, on the default pair (SmolLM2-135M-Instruct with its trained
+drafter): a streamed chat completion via the official `openai` client; Prometheus scraping
+every service (plus each /metrics parsed from the host); the Grafana dashboard's queries
+evaluating in Prometheus; a drafter container swapped while 8 streams run (no failed request,
+greedy text equal to the offline engine's on the same weights and dtype); a swap that rolls
+back; a `--profile monitoring up` whose image cannot be pulled failing alone. They run only
+when asked for (`make compose-test`, or `pytest -m docker tests/compose`): building takes
+minutes. `docker compose down -v` at the end. test_compose_secure.py does the same with
 compose.secure.yaml (secrets, TLS, trusted drafters).
 
 Environment: see compose_stack.py.
@@ -29,10 +35,11 @@ import time
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
-from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, complete, compose_binaries, make_secrets,
-                           openai_client, report, start_stack, wait)
+from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ONE_SHOT, ROOT, SECURE_FILE, complete, compose_binaries,
+                           make_secrets, openai_client, report, start_stack, wait)
 
 from specd import auth
 from specd.docker_swap import (drafter_command, health_command, next_name, register_request, secret_volumes,
@@ -65,6 +72,22 @@ def test_compose_file_shape():
     for name in ("gateway", "verifier", "drafter-dm"):
         assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${SPECD_OTLP_ENDPOINT:-}"
     json.loads(DASHBOARD.read_text())
+    # The default pair, whose weights the images carry (services/*/Dockerfile, models stage).
+    verifier, dm = services["verifier"]["command"], services["drafter-dm"]["command"]
+    assert verifier[verifier.index("--model") + 1] == "${SPECD_TARGET_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct}"
+    assert dm[dm.index("--model") + 1] == \
+        "${SPECD_DRAFTER_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct-drafter}"
+    for name in ("verifier", "drafter-dm", "drafter-ngram"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--threads") + 1] == "${SPECD_THREADS:-1}", name
+    # Only the Docker Hub images' profiles pull; everything else is built here.
+    for name, svc in services.items():
+        pulled = "build" not in svc
+        assert pulled == (name in ("grafana", "otel-collector")), name
+        if pulled:
+            assert svc["profiles"], f"{name} pulls from a registry: it must stay out of the default `up`"
+    args = spec["x-build-args"]
+    assert args["TORCH_VARIANT"] == "${SPECD_TORCH_VARIANT:-cpu}" and args["TORCH_INDEX_URL"] == "${SPECD_TORCH_INDEX_URL:-}"
 
 
 @pytest.mark.parametrize("binary", compose_binaries() or [None], ids=lambda b: " ".join(b) if b else "none")
@@ -93,6 +116,78 @@ def test_compose_config_is_valid(binary, tmp_path):
     assert {s["source"] if isinstance(s, dict) else s for s in verifier["secrets"]} == set(spec["secrets"])
     assert any(v.endswith("prometheus-secure.yml:/etc/specd/prometheus.yml:ro")
                for v in spec["services"]["prometheus"]["volumes"])
+
+
+DOCKERFILES = {n: ROOT / "services" / n / "Dockerfile" for n in ("verifier", "drafter", "gateway")}
+INSTALL_TORCH = ROOT / "deploy" / "docker" / "install-torch.sh"
+
+
+def test_dockerfiles_share_stages_and_need_no_second_index():
+    texts = {n: p.read_text() for n, p in DOCKERFILES.items()}
+    # deps -> models -> app are the same text in all three, so one build serves them all.
+    shared = {n: t[t.index("ARG BASE_IMAGE"):t.index("# ---- the ", t.index("FROM deps AS app"))] for n, t in texts.items()}
+    assert shared["verifier"] == shared["drafter"] == shared["gateway"]
+    for name, text in texts.items():
+        assert "--extra-index-url" not in text and "download.pytorch.org" not in text, name
+        assert "ARG TORCH_VARIANT=cpu" in text and "COPY wheels/ /opt/build/wheels/" in text, name
+        final = text[text.rindex("\nFROM ${BASE_IMAGE}\n"):]
+        # the serving stage: no build tools, no wheels/, the venv and a wheel of specd only
+        assert "wheels/" not in final and "apt-get" not in final and "pip install --no-deps --no-index" in final, name
+    # the gateway's own venv has no torch; its final stage takes that venv, not deps'
+    assert "--without torch" in texts["gateway"] and "COPY --from=gateway-deps /opt/venv" in texts["gateway"]
+    ignored = (ROOT / ".gitignore").read_text()
+    assert "/wheels/*" in ignored and "!/wheels/README.md" in ignored and (ROOT / "wheels" / "README.md").is_file()
+    assert "!wheels" in (ROOT / ".dockerignore").read_text()
+
+
+def run_install_torch(tmp_path, variant: str, wheels: Path, index: str = "") -> tuple[subprocess.CompletedProcess, str]:
+    """deploy/docker/install-torch.sh with a stand-in `pip` that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "pip").write_text('#!/bin/sh\necho "$@" >> "$PIP_LOG"\n')
+    (bin_dir / "pip").chmod(0o755)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a symlink would leave the venv
+    (bin_dir / "python").chmod(0o755)
+    log = tmp_path / "pip.log"
+    log.write_text("")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PIP_LOG": str(log),
+           "TORCH_CONSTRAINT": str(tmp_path / "constraint.txt"), "EXTRA_PIP_ARGS": ""}
+    out = subprocess.run(["sh", str(INSTALL_TORCH), variant, str(wheels), str(ROOT / "pyproject.toml"), index],
+                         capture_output=True, text=True, env=env, timeout=120)
+    return out, log.read_text()
+
+
+def test_install_torch_variants(tmp_path):
+    """The CPU build never reaches PyPI's CUDA torch: without the wheel in wheels/ it stops before
+    any pip call, naming the command that fills wheels/; with it, pip gets that file. A CUDA tag
+    (the Kubernetes GPU overlay's images) asks the PyTorch index for that build, alone."""
+    pin = re.search(r'"torch==([^";]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    t0 = time.monotonic()
+    out, pip_calls = run_install_torch(tmp_path, "cpu", wheels)
+    assert out.returncode == 1 and pip_calls == "" and time.monotonic() - t0 < 30
+    assert "error: TORCH_VARIANT=cpu, but wheels/" in out.stderr and "--index-url https://download.pytorch.org/whl/cpu" in out.stderr
+    wheel = wheels / f"torch-{pin}+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    out, pip_calls = run_install_torch(tmp_path, "cpu", wheels)
+    torch_cuda = __import__("torch").version.cuda
+    assert pip_calls.split() == ["install", str(wheel)]
+    assert out.returncode == (1 if torch_cuda else 0), out.stderr  # the check imports this host's torch
+    wheel.unlink()
+    out, pip_calls = run_install_torch(tmp_path, "cu128", wheels)
+    assert pip_calls.split() == ["install", "--index-url", "https://download.pytorch.org/whl/cu128", f"torch=={pin}+cu128"]
+    if not torch_cuda:  # this host's CPU torch stands in for what pip would have installed
+        assert out.returncode == 1 and "TORCH_VARIANT=cu128, but torch" in out.stderr
+    # The GPU overlay expects exactly these images and build argument.
+    gpu = ROOT / "deploy" / "k8s" / "overlays" / "gpu"
+    overlay = "".join(p.read_text() for p in sorted(gpu.glob("*.yaml")))
+    for name in ("verifier", "drafter"):
+        assert f"docker build -f services/{name}/Dockerfile --build-arg TORCH_VARIANT=cu128 -t specd-{name}:cuda ." in overlay
+        assert f"--build-arg TORCH_VARIANT=cu128 -t specd-{name}:cuda ." in DOCKERFILES[name].read_text()
+    assert re.findall(r"image: (specd-\S+)", overlay) and \
+        all(i.endswith(":cuda") for i in re.findall(r"image: (specd-\S+)", overlay))
 
 
 # flag -> the secret it names (mounted at /run/secrets/<name>)
@@ -305,12 +400,69 @@ def test_dashboard_queries_evaluate(stack):
     report(f"{len(exprs)} dashboard queries evaluate in Prometheus")
 
 
+GRAFANA = "grafana/grafana:11.6.0"  # compose.yaml's; Docker Hub, unreachable where this was written
+
+
+@pytest.mark.docker
+def test_unpullable_profile_fails_alone(stack):
+    """The stack came up (`--profile ngram`) without Grafana's image; a `--profile monitoring up`
+    that cannot pull it fails, and what runs keeps running, untouched."""
+    import docker
+
+    assert yaml_service("grafana")["image"] == GRAFANA
+    try:
+        stack.client.images.get(GRAFANA)
+        pytest.skip(f"{GRAFANA} is present here: its pull cannot fail")
+    except docker.errors.ImageNotFound:
+        pass
+    before = {c.name: c.id for c in stack.containers()}
+    t0 = time.monotonic()
+    out = stack.run("--profile", "monitoring", "up", "-d", check=False, timeout=600)
+    report(f"`--profile monitoring up -d` without {GRAFANA}: exit {out.returncode} in {time.monotonic() - t0:.1f} s: "
+           f"{(out.stderr.strip().splitlines() or [''])[-1]}")
+    assert out.returncode != 0
+    assert {c.name: c.id for c in stack.containers()} == before  # nothing created, recreated or removed
+    assert all((c.attrs["State"].get("Health") or {}).get("Status") == "healthy"
+               for c in stack.containers() if c.labels["com.docker.compose.service"] not in ONE_SHOT)
+    text, spec = complete(openai_client(stack), PROMPTS[3], drafter="ng", num_speculative_tokens=4)
+    assert text and spec["draft_tokens"] >= 0
+
+
+def yaml_service(name: str) -> dict:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(COMPOSE_FILE.read_text())["services"][name]
+
+
+OFFLINE_REFERENCE = """
+import json, sys
+import torch
+torch.set_num_threads(1)  # as the verifier container (--threads 1)
+from specd import LLM, SamplingParams
+from specd.model_store import fetch
+llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
+outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0, max_tokens=int(sys.argv[2])))
+print(json.dumps([o.text for o in outs]))
+"""
+
+
+def offline_reference(prompts: list[str]) -> list[str]:
+    """Greedy completions from the offline engine on the host: same weights, dtype, threads."""
+    out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.docker
 @pytest.mark.timeout(1200)
 def test_swap_drafter_container_under_load(stack):
     client = openai_client(stack)
+    t0 = time.monotonic()
+    reference = offline_reference(PROMPTS)
+    report(f"offline reference: {len(PROMPTS)} greedy completions in {time.monotonic() - t0:.1f} s")
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
-        reference = [t for t, _ in ex.map(lambda p: complete(client, p, num_speculative_tokens=0), PROMPTS)]
+        plain = [t for t, _ in ex.map(lambda p: complete(client, p, num_speculative_tokens=0), PROMPTS)]
+    assert plain == reference  # the stack without speculation, before the swap
     old = stack.container("drafter-dm")
     swap = subprocess.Popen([sys.executable, "-m", "specd.cli", "drafters", "swap", "--old", "dm", "--image",
                              "specd-drafter", "--verifier", stack.verifier], stdout=subprocess.PIPE,
