@@ -49,7 +49,13 @@ def run(args) -> int:
 
         if not args.out:
             raise SystemExit("--method eagle needs --out (the head's directory)")
-        train_eagle(target, Path(args.out), args)
+        if args.card_only:
+            from specd.train_drafter.eagle_card import finish as finish_eagle
+
+            finish_eagle(target, Path(args.out), args.threads, f"specd train-drafter --method eagle --threads "
+                         f"{args.threads} --prompts {args.prompts} --out {args.out}")
+        else:
+            train_eagle(target, Path(args.out), args)
         return 0
     out = Path(args.out) if args.out else committed_drafter_dir()
     if not args.card_only:

@@ -33,6 +33,9 @@ class EagleConfig:
     noise: float = 0.2  # feature noise, in units of the features' standard deviation x 0.1
     init_layer: int = -1  # the target layer the head's decoder layer starts from
     prompt_weight: float = 0.25  # prompt positions count less than answer positions
+    # The LM head scores only the most frequent answer tokens (0: all): on a 135M target the
+    # shared 49,152-row head would be most of a draft's cost. Serving-time only (d2t in the checkpoint).
+    draft_vocab: int = 16384
     seed: int = 0
 
 
@@ -186,14 +189,29 @@ def train(head: EagleTrainHead, seqs, feats, prompt_lens, cfg: EagleConfig, log=
     return {"steps": step, "epochs": history, "wall_s": time.perf_counter() - t0}
 
 
-def save(head: EagleTrainHead, target, out, fingerprint: str, cfg: EagleConfig) -> None:
+def draft_vocabulary(seqs, prompt_lens, size: int, vocab: int) -> torch.Tensor | None:
+    """The `size` ids most frequent in the answers (ties by id), sorted; None for all."""
+    if not size or size >= vocab:
+        return None
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for seq, pl in zip(seqs, prompt_lens):
+        counts += torch.bincount(seq[pl:].long(), minlength=vocab)
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]))
+
+
+def save(head: EagleTrainHead, target, out, fingerprint: str, cfg: EagleConfig,
+         draft_ids: torch.Tensor | None = None) -> None:
     import json
     from dataclasses import asdict
 
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file(head.state_for_checkpoint(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    state = head.state_for_checkpoint()
+    if draft_ids is not None:  # EAGLE-3's convention: target id = draft id + d2t[draft id]
+        state["d2t"] = (draft_ids - torch.arange(len(draft_ids))).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = target.config.to_dict()
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
                   specd_target_fingerprint=fingerprint, specd_eagle={"recipe": "EAGLE-1", **asdict(cfg)})
@@ -268,7 +286,7 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
     report = train(head, seqs, feats, prompt_lens, cfg, log)
     arch = read_arch_config(target_dir)
     fingerprint = load_model(target_dir, arch, torch.float32, torch.device("cpu"), 64, False).fingerprint
-    save(head, target, out, fingerprint, cfg)
+    save(head, target, out, fingerprint, cfg, draft_vocabulary(seqs, prompt_lens, cfg.draft_vocab, arch.vocab_size))
     proposer = HiddenStateProposer("eagle", str(out), str(target_dir), num_speculative_tokens=8, dtype="float32",
                                    device="cpu")
     evals = {name: {k: acceptance(proposer, *data, k) for k in (1, 2, 4, 6)} for name, data in heldout.items()}
@@ -276,6 +294,10 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
                         "wall_s_total": time.perf_counter() - t0},
               "heldout": evals, "config": {k: v for k, v in vars(cfg).items()}}
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    from specd.train_drafter.eagle_card import finish
+
+    finish(target_dir, out, args.threads, f"specd train-drafter --method eagle --threads {args.threads} "
+           f"--prompts {args.prompts} --out {out}")
     for name, by_k in evals.items():
         a = by_k[4]
         log(f"{name}: k=4 alpha per position {[round(x, 3) for x in a['alpha_per_position']]}, "

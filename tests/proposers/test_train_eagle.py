@@ -29,15 +29,16 @@ def target(tmp_path_factory):
     return d, model
 
 
-def _chain(head, tokens: list[int], feats: torch.Tensor, k: int) -> list[int]:
+def _chain(head, tokens: list[int], feats: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> list[int]:
     """The training head's own k-step greedy chain after the pairs of `tokens` (EAGLE-1 feeds
-    its predictions back as features)."""
+    its predictions back as features), over the `allowed` ids only when given."""
     toks, rows = list(tokens[1:]), [r for r in feats[: len(tokens) - 1]]
     drafts = []
     with torch.no_grad():
         for _ in range(k):
             h = head(torch.tensor([toks]), torch.stack(rows)[None], torch.ones(1, len(toks), dtype=torch.long))[0, -1]
-            d = int(head.logits(h).argmax())
+            logits = head.logits(h)
+            d = int(logits.argmax()) if allowed is None else int(allowed[logits[allowed].argmax()])
             drafts.append(d)
             toks.append(d)
             rows.append(h)
@@ -73,3 +74,20 @@ def test_trained_checkpoint_drafts_what_the_training_head_computes(target, tmp_p
                                                full_history=True, features=f[: len(tokens) - 1],
                                                feature_layers=(3,))])[0].token_ids
         assert got == _chain(head, tokens, f, 4), f"sequence {i}"
+
+    # With a draft vocabulary (d2t) the head scores only those rows and drafts only those ids.
+    allowed = eagle.draft_vocabulary(seqs, [5] * len(seqs), 40, 128)
+    assert allowed is not None and len(allowed) == 40
+    eagle.save(head, model, tmp_path / "small", "fp", cfg, allowed)
+    small = HiddenStateProposer("eagle", str(tmp_path / "small"), str(target_dir), num_speculative_tokens=4,
+                                dtype="float32", device="cpu")
+    differ = 0
+    for i, seq in enumerate(seqs[:6]):
+        tokens = seq[:15].tolist()
+        f = feats[i].float()
+        got = small.propose([ProposeRequest(seq_id=i, new_tokens=tokens, num_tokens=len(tokens), k=4,
+                                            full_history=True, features=f[: len(tokens) - 1],
+                                            feature_layers=(3,))])[0].token_ids
+        assert got == _chain(head, tokens, f, 4, allowed) and set(got) <= set(allowed.tolist())
+        differ += got != _chain(head, tokens, f, 4)
+    assert differ  # the restriction mattered somewhere

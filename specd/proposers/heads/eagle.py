@@ -10,7 +10,8 @@ Layouts read:
   `layernorms` adds `embedding_layernorm`, the layer's input_layernorm and
   `pre_lm_head_layernorm` (HASS), `fusion_bias` the fc bias. HASS's own names
   (`embed_layernorm`, `hidden_layernorm`, `lm_head_layernorm`) are mapped as its converter does.
-Features: the target's final normed state (layer L). The head's output at a pair is its
+specd's own heads may add `d2t` (EAGLE-3's draft-id -> target-id offsets): the LM head then
+scores only those rows of the target's. Features: the target's final normed state (layer L). The head's output at a pair is its
 prediction of the next feature; fed back with the drafted token, it drafts the next one.
 """
 from __future__ import annotations
@@ -101,10 +102,19 @@ def load_eagle(cfg: dict, tensors: dict[str, torch.Tensor], target: TargetPieces
     # The checkpoint's copy of the embeddings when it ships one (what the head was trained with).
     head.embed_tokens = tensors.get("embed_tokens.weight", target.embed_tokens)
     head.lm_head = target.lm_head
+    if "d2t" in tensors:
+        # specd's extension (EAGLE-3's convention): score only a draft vocabulary, the rows d2t
+        # names of the target's LM head. On a small target that head is most of a draft's cost.
+        from specd.proposers.heads.eagle3 import _draft_to_target
+
+        head.token_ids = _draft_to_target(tensors, tensors["d2t"].shape[0], target.arch.vocab_size, where)
+        head.lm_head = target.lm_head.index_select(0, head.token_ids).contiguous()
     if tuple(head.embed_tokens.shape) != (target.arch.vocab_size, h):
         raise ValueError(f"{where}: embeddings of shape {tuple(head.embed_tokens.shape)}, expected "
                          f"{(target.arch.vocab_size, h)}")
     head = head.to(device=device, dtype=dtype)
+    if head.token_ids is not None:
+        head.token_ids = head.token_ids.to(device)
     head.rotary.build(device, dtype)
     return head.eval()
 
