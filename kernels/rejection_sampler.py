@@ -56,6 +56,13 @@ class SpecDecodeMetadata:
     posterior_threshold: float = 0.09  # typical mode
     posterior_alpha: float = 0.3  # typical mode
     synthetic_acceptance_rate: float = 1.0  # synthetic mode
+    # Token trees (kernels/tree_rejection_sampler.py), host side: per sequence, the parent of each
+    # draft (-1: the root), or None for a chain; None: every sequence is a chain.
+    parents: list[list[int] | None] | None = None
+
+    @property
+    def has_tree(self) -> bool:
+        return self.parents is not None and any(p is not None for p in self.parents)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -64,13 +71,16 @@ class SpecDecodeMetadata:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {self.synthetic_acceptance_rate}")
         if (self.draft_q_ids is None) != (self.draft_q_probs is None):
             raise ValueError("draft_q_ids and draft_q_probs go together (both, or neither for one-hot q)")
+        if self.has_tree and self.mode != "strict":
+            raise ValueError("token trees are verified in strict mode only")
 
     @classmethod
     def build(cls, drafts: Sequence[Sequence[int]], is_greedy: Sequence[bool], device: torch.device | str,
               draft_q: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]] | None] | None = None,
-              **mode) -> SpecDecodeMetadata:
+              parents: Sequence[Sequence[int] | None] | None = None, **mode) -> SpecDecodeMetadata:
         """From host lists: drafts per sequence, and optionally a sparse q per draft
-        ((ids, probs) per position; None for a sequence whose drafts are deterministic)."""
+        ((ids, probs) per position; None for a sequence whose drafts are deterministic) and
+        the parent of each draft of a token tree (None for a chain)."""
         num_draft = [len(d) for d in drafts]
         q_ids = q_probs = None
         if draft_q is not None and any(draft_q):
@@ -82,7 +92,9 @@ class SpecDecodeMetadata:
             max_num_draft=max(num_draft, default=0),
             is_greedy=torch.tensor(list(is_greedy), dtype=torch.bool, device=device), all_greedy=all(is_greedy),
             draft_q_ids=None if q_ids is None else q_ids.to(device),
-            draft_q_probs=None if q_probs is None else q_probs.to(device), **mode)
+            draft_q_probs=None if q_probs is None else q_probs.to(device),
+            parents=[None if p is None else list(p) for p in parents] if parents is not None and any(
+                p is not None for p in parents) else None, **mode)
 
 
 def _sparse_q(drafts, draft_q) -> tuple[torch.Tensor, torch.Tensor]:  # [N, Kq] ids (-1 padded), probs

@@ -44,6 +44,22 @@ def format_validation_error(err: Exception) -> str:
     return str(err)
 
 
+class TreeConfig(BaseModel):
+    """A static token-tree shape (EAGLE's static trees, SpecInfer's expansion): children per node
+    at each depth. draft_model: the top-b tokens of the drafter (sampled: b draws without
+    replacement) under each node of depth d - 1; ngram: up to branching[0] earlier matches
+    with different next tokens, each continued as a chain. Nodes are bounded by max_nodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    branching: list[int] = Field(min_length=1, max_length=32)
+    max_nodes: int = Field(default=32, ge=1, le=256)
+
+    def model_post_init(self, _context) -> None:
+        if any(not 1 <= b <= 16 for b in self.branching):
+            raise ValueError(f"tree branching factors must be in [1, 16], got {self.branching}")
+
+
 class SpeculativeConfig(BaseModel):
     """`--speculative-config` JSON, with vLLM's key names where vLLM has one."""
 
@@ -76,6 +92,8 @@ class SpeculativeConfig(BaseModel):
     synthetic_acceptance_rate: float | None = Field(default=None, ge=0, le=1)
     # controller: choose k per step from the measured cost model (False: always k)
     adaptive: bool = True
+    # token trees instead of chains (draft_model, ngram); None: chains. k still bounds the depth.
+    tree: TreeConfig | None = None
 
     def model_post_init(self, _context) -> None:
         heads = ("eagle", "eagle3", "medusa", "mlp_speculator")
@@ -90,6 +108,10 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"'target_model' is only used by hidden-state heads, not {self.method!r}")
         if self.rejection_sample_method == "synthetic" and self.synthetic_acceptance_rate is None:
             raise ValueError("rejection_sample_method 'synthetic' needs synthetic_acceptance_rate")
+        if self.tree is not None and self.method not in ("draft_model", "ngram"):
+            raise ValueError(f"'tree' is supported by methods draft_model and ngram, not {self.method!r}")
+        if self.tree is not None and self.rejection_sample_method != "strict":
+            raise ValueError("token trees are verified with rejection_sample_method 'strict' only")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")

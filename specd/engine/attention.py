@@ -32,6 +32,14 @@ class AttentionMetadata:
     contiguous_start: int | None = None
     token_seq: torch.Tensor | None = None  # [T] batch row of each new token (the Triton kernel's input)
     token_pos: torch.Tensor | None = None  # [T] absolute position of each new token
+    # Token trees (None: every sequence is a chain). A sequence's tree tokens sit in the cache in
+    # slot order from tree_base on (A = max tree tokens): the verifier's [last token, nodes ..],
+    # or a drafter's nodes so far. A tree row sees the context before tree_base and its own
+    # ancestors-or-self among the tree tokens; its RoPE position is tree_base + depth.
+    tree_base: torch.Tensor | None = None  # [B] slot-order index of the first tree token (context_len: no tree)
+    tree_anc: torch.Tensor | None = None  # [B, Q, A] bool: query row sees tree token a
+    tree_path: torch.Tensor | None = None  # [B, Q, A] int64: key index of the row's ancestor at depth t (0 padded)
+    tree_pos_2d: torch.Tensor | None = None  # [B, Q] RoPE position of each padded query row
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -50,8 +58,37 @@ class AttentionMetadata:
             qlens = torch.tensor(self.query_lens, device=device)
             pad_rows = torch.arange(self.max_query_len, device=device)[None, :] >= qlens[:, None]
             m[..., 0] |= pad_rows
+            if self.tree_base is not None:
+                # Keys from tree_base on are tree tokens: visible only to their descendants. (A
+                # sliding window here still counts slot order, not tree depth: no windowed model
+                # has been run with trees.)
+                rel = keys[None, :] - self.tree_base[:, None]  # [B, C]
+                A = self.tree_anc.shape[-1]
+                anc = self.tree_anc.gather(2, rel.clamp(0, A - 1)[:, None, :].expand(-1, self.max_query_len, -1))
+                m &= (rel < 0)[:, None, :] | anc
             self._masks[window] = m.unsqueeze(1)
         return self._masks[window]
+
+    def compact_keys(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tree steps in batch-invariant mode: per query row, the key index of each key in
+        the layout a plain decode of that token would see (context, then its ancestors at
+        consecutive positions) -> (key_index [B, Q, C] int64, mask [B, Q, C] bool). Masking the
+        off-path keys in place would leave exact zeros between the terms of the row's reductions,
+        which regroups their sums: not the plain bits."""
+        device = self.block_tables.device
+        keys = torch.arange(self.max_context_len, device=device)  # [C]
+        ctx = torch.tensor(self.context_lens, device=device)  # [B]
+        rel = keys[None, None, :] - self.tree_base[:, None, None]  # [B, 1, C]
+        A = self.tree_path.shape[-1]
+        path = self.tree_path.gather(2, rel.clamp(0, A - 1).expand(-1, self.max_query_len, -1))  # [B, Q, C]
+        key_index = torch.where(rel < 0, keys[None, None, :], path)
+        qpos = self.tree_pos_2d[:, :, None]  # [B, Q, 1]
+        m = (keys[None, None, :] <= qpos) & (keys[None, None, :] < ctx[:, None, None])
+        if window is not None:
+            m &= qpos - keys[None, None, :] < window
+        qlens = torch.tensor(self.query_lens, device=device)
+        m[..., 0] |= torch.arange(self.max_query_len, device=device)[None, :] >= qlens[:, None]
+        return torch.where(m, key_index, 0), m
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -75,7 +112,8 @@ def paged_attention(
     window: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
-    if meta.token_seq is not None and _triton_requested():
+    # The Triton kernel is chain-only (causal by slot order): tree steps take the torch path.
+    if meta.token_seq is not None and meta.tree_base is None and _triton_requested():
         from specd.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta.token_seq, meta.token_pos, meta.block_tables,
@@ -94,7 +132,16 @@ def paged_attention(
         qp = q.view(B, Q, H, D)
     else:
         qp = q.new_zeros(B * Q, H, D).index_copy_(0, meta.query_index, q).view(B, Q, H, D)
-    if invariant:
+    if invariant and meta.tree_base is not None:
+        # Each row gets its own keys, gathered into the plain layout: one query per matmul, the
+        # shape of a plain decode, so the row's bits are those of decoding it alone.
+        key_index, m = meta.compact_keys(window)  # [B, Q, C]
+        seq = torch.arange(k.shape[0], device=q.device)[:, None, None]  # [B or 1, 1, 1]
+        kc = k[seq, key_index].reshape(B * Q, C, hkv, D)
+        vc = v[seq, key_index].reshape(B * Q, C, hkv, D)
+        out = invariant_attention(qp.reshape(B * Q, 1, H, D).transpose(1, 2), kc, vc, m.view(B * Q, 1, 1, C), scale)
+        out = out.view(B, Q, H, D).transpose(1, 2)
+    elif invariant:
         out = invariant_attention(qp.transpose(1, 2), k, v, meta.mask(window), scale)
     else:
         out = F.scaled_dot_product_attention(

@@ -195,7 +195,7 @@ class LLMEngine:
             spec.controller.observe_verify(num_tokens, t2 - t1)
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
         finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features,
-                                              self.runner.capture_layers)
+                                              self.runner.capture_layers, out.paths, self.runner.copy_kv)
         for seq in finished:
             self._release(seq)
         return finished

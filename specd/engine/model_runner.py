@@ -58,6 +58,9 @@ class ModelRunner:
         positions = (ctx - qlens)[seq_of] + row
         slots = block_tables[seq_of, positions // self.block_size] * self.block_size + positions % self.block_size
         max_q, max_c = max(query_lens), max(context_lens)
+        tree = self._tree_metadata(batch, max_q) if any(e.tree_parents is not None for e in batch) else {}
+        if tree:
+            positions = tree.pop("positions")
         meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=block_tables,
@@ -72,12 +75,62 @@ class ModelRunner:
             contiguous_start=self._contiguous_start(batch, max_c),
             token_seq=seq_of,
             token_pos=positions,
+            **tree,
         )
         if not self.capture_layers:
             self.features = None
             return self.model(tok, positions, meta, self.kv_caches, logits_rows)
         logits, self.features = self.model(tok, positions, meta, self.kv_caches, logits_rows, self.capture_layers)
         return logits
+
+    def _tree_metadata(self, batch: list[ScheduledSeq], max_q: int) -> dict:
+        """AttentionMetadata's tree fields and the RoPE positions [T] of a step with trees: a
+        tree token's position is tree_base + its depth (a parent of -1 hangs it on the context)."""
+        B = len(batch)
+        A = max(len(e.tree_parents) for e in batch if e.tree_parents is not None)
+        base, positions = [], []
+        anc = torch.zeros(B, max_q, A, dtype=torch.bool)
+        path = torch.zeros(B, max_q, A, dtype=torch.long)
+        pos2d = []
+        for b, e in enumerate(batch):
+            start, n = e.seq.num_computed_tokens, e.num_new_tokens
+            rows = list(range(start, start + n))
+            if e.tree_parents is None:
+                base.append(start + n)
+                positions += rows
+            else:
+                tb, parents = e.tree_base, e.tree_parents
+                if tb + len(parents) != start + n or tb > start:
+                    raise ValueError("a tree's new tokens must be its last tree tokens")
+                depth, lineage = [], []  # per tree token: depth, ancestors-or-self (root first)
+                for a, p in enumerate(parents):
+                    if not -1 <= p < a:
+                        raise ValueError(f"tree parent {p} of token {a} does not point backwards")
+                    depth.append(0 if p < 0 else depth[p] + 1)
+                    lineage.append(([] if p < 0 else lineage[p]) + [a])
+                base.append(tb)
+                for r in range(n):
+                    a = start - tb + r
+                    anc[b, r, lineage[a]] = True
+                    path[b, r, : len(lineage[a])] = torch.tensor(lineage[a]) + tb
+                rows = [tb + depth[start - tb + r] for r in range(n)]
+                positions += rows
+            pos2d.append(rows + list(range(start + n, start + max_q)))  # padded rows: slot order
+        dev = self.device
+        return dict(positions=torch.tensor(positions, device=dev), tree_base=torch.tensor(base, device=dev),
+                    tree_anc=anc.to(dev), tree_path=path.to(dev), tree_pos_2d=torch.tensor(pos2d, device=dev))
+
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """KV commit of an accepted tree path: move the K/V of src_slots into dst_slots, every
+        layer (gathered before it is written, so the two may overlap)."""
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, device=self.device)
+        dst = torch.tensor(dst_slots, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def _contiguous_start(self, batch: list[ScheduledSeq], context_len: int) -> int | None:
         if len(batch) != 1:

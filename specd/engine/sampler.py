@@ -23,6 +23,7 @@ import torch
 
 from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_randomness, exponential_race,
                                              rejection_sample, target_rows, to_token_lists)
+from specd.kernels.tree_rejection_sampler import tree_rejection_sample_ref
 from specd.sampling import SamplingParams
 
 _NO_TOP_K = torch.iinfo(torch.int64).max  # a rank never reached: top-k off for that row
@@ -51,12 +52,12 @@ class SamplingMetadata:
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str,
               generators: Sequence[torch.Generator | None] | None = None,
               drafts: Sequence[Sequence[int]] | None = None, draft_q: Sequence | None = None,
-              **mode) -> SamplingMetadata:
+              parents: Sequence | None = None, **mode) -> SamplingMetadata:
         """From host lists, one entry per sampled sequence; mode: SpecDecodeMetadata's knobs."""
         B = len(params)
         drafts = [[] for _ in range(B)] if drafts is None else drafts
         greedy = [p.greedy for p in params]
-        spec = SpecDecodeMetadata.build(drafts, greedy, device, draft_q, **mode)
+        spec = SpecDecodeMetadata.build(drafts, greedy, device, draft_q, parents, **mode)
         synthetic = spec.mode == "synthetic"  # accepts greedy rows' drafts by chance: they draw too
         rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
         draft_rows, bonus_rows = target_rows(spec.num_draft_host)
@@ -83,7 +84,8 @@ class SamplingMetadata:
         sampled = [e for e in batch if e.num_logits]
         return cls.build([e.seq.params for e in sampled], device, [e.seq.generator for e in sampled],
                          [e.draft_token_ids for e in sampled],
-                         [e.drafts.q if e.drafts else None for e in sampled], **mode)
+                         [e.drafts.q if e.drafts else None for e in sampled],
+                         [e.drafts.parents if e.drafts else None for e in sampled], **mode)
 
 
 def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -110,6 +112,9 @@ def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torc
 class SamplerOutput(NamedTuple):
     token_ids: list[list[int]]  # per sampled sequence: accepted drafts, then one recovered/bonus token
     num_accepted: list[int]  # per sampled sequence
+    # Steps with token trees: per sampled sequence, the accepted nodes (draft indices, root
+    # first), what the scheduler's KV commit moves; None otherwise.
+    paths: list[list[int]] | None = None
 
 
 class Sampler:
@@ -141,6 +146,11 @@ class Sampler:
         if spec.max_num_draft == 0:  # every row is a last row: no drafts to verify
             tokens = self.sample_target(greedy_tokens, probs, spec.is_greedy, noise)
             return SamplerOutput([[t] for t in tokens.tolist()], [0] * len(meta.generators))
+        if spec.has_tree:
+            # A step with a token tree verifies every sequence by the tree walk (a chain is the
+            # tree [-1, 0, 1, ..]: the same decisions), which draws its last token itself.
+            tokens, n_acc, paths = tree_rejection_sample_ref(spec, probs, greedy_tokens, uniforms, noise)
+            return SamplerOutput(tokens, n_acc, paths)
         bonus = self.sample_target(greedy_tokens[meta.bonus_rows],
                                    None if probs is None else probs[meta.bonus_rows], spec.is_greedy, noise)
         out = rejection_sample(spec, None if probs is None else probs[meta.draft_rows],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from specd.engine.block_manager import BlockManager
 from specd.engine.features import FeatureRows
@@ -29,6 +29,9 @@ class Drafts:
     token_ids: list[int]
     q: list[tuple[list[int], list[float]]] | None = None  # sparse q per draft: (ids, probs); None: one-hot
     drafter: str | None = None  # who proposed them (per-drafter acceptance counters)
+    # A token tree: the parent of each draft (-1: the last committed token), pointing backwards.
+    # None: a chain (parents -1, 0, 1, ...).
+    parents: list[int] | None = None
 
 
 @dataclass
@@ -38,6 +41,10 @@ class ScheduledSeq:
     num_logits: int  # logits wanted at the last num_logits of those positions (0 = mid-prefill chunk)
     # Set by attach_drafts: the forward then covers [last token, *drafts], all with logits.
     drafts: Drafts | None = None
+    # Token trees (specd/engine/attention.py): the tokens from tree_base on form a tree; the
+    # parent of each, relative to tree_base (-1: the context before it). None: causal.
+    tree_base: int | None = None
+    tree_parents: list[int] | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -111,38 +118,57 @@ class Scheduler:
             if self.blocks.allocate(e.seq, e.seq.num_computed_tokens + 1 + len(d.token_ids)):
                 e.drafts = d
                 e.num_new_tokens = e.num_logits = 1 + len(d.token_ids)
+                if d.parents is not None:  # the tree's root is the last committed token
+                    e.tree_base = e.seq.num_computed_tokens
+                    e.tree_parents = [-1] + [p + 1 for p in d.parents]
 
     def postprocess(self, batch: list[ScheduledSeq], sampled: list[list[int]],
                     logprobs: LogprobsRecorder | None = None, features: torch.Tensor | None = None,
-                    feature_layers: tuple[int, ...] = ()) -> list[Sequence]:
+                    feature_layers: tuple[int, ...] = (), paths: list[list[int] | None] | None = None,
+                    copy_kv: Callable[[list[int], list[int]], None] | None = None) -> list[Sequence]:
         """Commit a step: sampled[i] are the tokens of the i-th entry with logits (accepted
         drafts, then one). features: the step's captured hidden states [T, F] of
         feature_layers, one row per forwarded token in batch order; the committed positions'
-        rows are kept with their KV.
+        rows are kept with their KV. paths[i]: for a token tree, the accepted nodes (draft
+        indices, root first); their KV moves to consecutive positions through copy_kv(src
+        slots, dst slots) (the model runner's), before rejected blocks are freed.
         Returns the sequences that finished in it."""
         finished, row, i, token_row = [], 0, 0, 0
+        moves: tuple[list[int], list[int]] = ([], [])
+        rollback: list[Sequence] = []
         for entry in batch:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             committed = entry.num_new_tokens
+            path = None
             if entry.num_logits:
                 tokens = sampled[i]
+                path = paths[i] if paths is not None and entry.tree_parents is not None else None
                 # KV is valid for the last committed token plus the accepted drafts; rejected
                 # slots are rolled back (the newest token's KV is computed next step).
                 committed -= len(entry.draft_token_ids) - (len(tokens) - 1)
+            # Forward rows of the committed positions: the root, then the accepted path.
+            kept = list(range(committed)) if path is None else [0] + [n + 1 for n in path]
+            if path is not None:
+                for j, r in enumerate(kept):
+                    if r != j:  # a node off the first branch: its KV goes to position start + j
+                        moves[0].append(self._slot(seq, start + r))
+                        moves[1].append(self._slot(seq, start + j))
             seq.num_computed_tokens += committed
             if committed < entry.num_new_tokens:
-                self.blocks.truncate(seq, seq.num_computed_tokens)
+                rollback.append(seq)
             if features is not None:
                 if seq.features is None:
                     seq.features = FeatureRows()
-                seq.features.write(start, features[token_row: token_row + committed], feature_layers)
+                rows = features[token_row: token_row + committed] if path is None else \
+                    features[[token_row + r for r in kept]]
+                seq.features.write(start, rows, feature_layers)
             token_row += entry.num_new_tokens
             if not entry.num_logits:
                 continue
             for j, token in enumerate(tokens):
                 seq.output_token_ids.append(token)
-                if logprobs is not None:
-                    logprobs.record(seq, row + j, token)
+                if logprobs is not None:  # emitted token j comes from the row of the j-th kept position
+                    logprobs.record(seq, row + kept[j], token)
                 reason = self._stop_reason(seq, token)
                 if reason:  # a stop inside accepted drafts ends the sequence right there
                     self.finish(seq, reason)
@@ -150,7 +176,15 @@ class Scheduler:
                     break
             row += entry.num_logits
             i += 1
+        if moves[0] and copy_kv is not None:
+            copy_kv(*moves)
+        for seq in rollback:  # rejected slots, after the KV commit read them (finished: already freed)
+            self.blocks.truncate(seq, seq.num_computed_tokens)
         return finished
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        bs = self.blocks.block_size
+        return seq.block_table[pos // bs] * bs + pos % bs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -25,6 +25,8 @@ class Speculator:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
+        # The most tree nodes one sequence may send (a chain's bound is k).
+        self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else 0
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
@@ -91,9 +93,9 @@ class Speculator:
             if p is None or p.resync:
                 e.seq.spec_sent = 0  # resend the full history next time
                 continue
-            drafts, q = self._validated(p, req.k)
+            drafts, q, parents = self._validated(p, req.k)
             if drafts:
-                out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method)
+                out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents)
         return out
 
     @staticmethod
@@ -122,19 +124,34 @@ class Speculator:
         return max(0, cap)
 
     def _validated(self, p, k: int):
-        """Drafts cut at the first bad entry: a proposer never corrupts output, it only costs drafts."""
-        drafts = []
-        for t in p.token_ids[:k]:
+        """Drafts cut at the first bad entry: a proposer never corrupts output, it only costs drafts.
+        A tree (p.parents) keeps its first nodes up to max_tree_nodes while each has a parent
+        before it and a depth of at most k (k + 1 tokens may commit); a prefix of a tree whose
+        parents point backwards is a tree. -> (drafts, q, parents or None for a chain)."""
+        parents = p.parents
+        if parents is not None and not self.max_tree_nodes:
+            return [], None, None  # this engine verifies chains only
+        drafts, depth = [], []
+        limit = k if parents is None else min(self.max_tree_nodes, len(parents))
+        for i, t in enumerate(p.token_ids[:limit]):
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 break
+            if parents is not None:
+                par = parents[i]
+                if not isinstance(par, int) or not -1 <= par < i:
+                    break
+                d = 1 if par < 0 else depth[par] + 1
+                if d > k:
+                    break
+                depth.append(d)
             drafts.append(t)
         q = None
         if p.q_ids:  # sampled drafts: the sparse q must be a distribution that contains the draft
             ok = p.q_probs is not None and len(p.q_ids) >= len(drafts) and len(p.q_probs) >= len(drafts)
             q = list(zip(p.q_ids, p.q_probs or []))[: len(drafts)] if ok else []
             if not ok or not all(self._valid_q(t, ids, probs) for t, (ids, probs) in zip(drafts, q)):
-                return [], None
-        return drafts, q
+                return [], None, None
+        return drafts, q, None if parents is None else list(parents[: len(drafts)])
 
     def _valid_q(self, draft: int, ids: list[int], probs: list[float]) -> bool:
         if not ids or len(ids) != len(probs) or len(set(ids)) != len(ids):
@@ -148,7 +165,9 @@ class Speculator:
         """num_accepted[i]: accepted drafts of the i-th entry with logits."""
         for e, n_acc in zip((e for e in batch if e.num_logits), num_accepted):
             n = len(e.draft_token_ids)
-            self.controller.observe_accept(e.seq.seq_id, n, n_acc)
+            # The controller models a chain of k: a tree counts as a chain of its depth.
+            self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
+                                           n_acc)
             e.seq.spec_stats.observe_draft(n, n_acc)
             if n:
                 self.stats_by_drafter[e.drafts.drafter or self.config.method or "unknown"].observe_draft(n, n_acc)
@@ -157,3 +176,10 @@ class Speculator:
         self.controller.release(seq.seq_id)
         if seq.spec_sent:
             self.proposer.release([seq.seq_id])
+
+
+def _depth(parents: list[int]) -> int:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)

@@ -48,6 +48,9 @@ class Proposal:
     token_ids: list[int]
     q_ids: list[list[int]] | None = None  # sparse q per position; None: deterministic (one-hot)
     q_probs: list[list[float]] | None = None
+    # A token tree: the parent of each draft (-1: the last committed token), pointing backwards,
+    # q per node where sampled; None: a chain (parents -1, 0, 1, ...).
+    parents: list[int] | None = None
     resync: bool = False
     drafter: str | None = None  # set by the verifier's drafter pool: which service answered
 

@@ -10,6 +10,12 @@ costs no extra forward).
 Greedy drafts ship only ids (q is one-hot). Sampled drafts come from the drafter's
 top-k truncated, renormalised distribution at the request's temperature, and that
 sparse q ships with them so the verifier can accept exactly.
+
+Token trees (tree_branching [b1, b2, ..]): one forward per depth, as for a chain. The
+catch-up forward gives the root's b1 children (its top-b1 tokens, or b1 draws without
+replacement); each next forward runs the newest nodes with a tree attention mask (each sees
+the committed context and its ancestors, specd/engine/attention.py) and gives each of them
+b_d children. Nodes are in breadth-first order, at most tree_max_nodes.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ class DraftModelProposer:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, tree_branching: list[int] | None = None,
+                 tree_max_nodes: int = 32):
         model_dir = resolve_model_dir(model)
         self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
@@ -47,6 +54,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
         self.sample_method, self.top_k = sample_method, top_k
+        self.tree_branching, self.tree_max_nodes = (list(tree_branching) if tree_branching else None), tree_max_nodes
         # Unseeded requests draw from this stream: random per process unless a seed is given (the
         # offline engine passes one derived from its own, never equal to it).
         self.generator = torch.Generator(device=self.device).manual_seed(
@@ -70,9 +78,10 @@ class DraftModelProposer:
                 active.append((seq, req))
                 out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[],
                                            q_ids=[] if self._sampled(req) else None,
-                                           q_probs=[] if self._sampled(req) else None)
+                                           q_probs=[] if self._sampled(req) else None,
+                                           parents=[] if self.tree_branching else None)
         with torch.inference_mode():
-            self._draft(active, out)
+            (self._draft_tree if self.tree_branching else self._draft)(active, out)
         for seq, _ in active:  # roll back: state holds committed tokens only
             committed = len(seq) - len(out[seq.seq_id].token_ids)
             del seq.output_token_ids[len(seq.output_token_ids) - len(out[seq.seq_id].token_ids):]
@@ -99,6 +108,65 @@ class DraftModelProposer:
                     token = int(row.argmax())
                 prop.token_ids.append(token)
                 seq.output_token_ids.append(token)  # fed as input of the next draft step
+
+    def _draft_tree(self, active, out) -> None:
+        # Per sequence: the committed length (the tree's base) and the nodes of the newest depth.
+        base = {s.seq_id: len(s) for s, _ in active}
+        frontier = {s.seq_id: [-1] for s, _ in active}  # -1: the root (the catch-up's last row)
+        gens = {s.seq_id: self._tree_generator(s, r) for s, r in active if self._sampled(r)}
+        for depth, width in enumerate(self.tree_branching):
+            live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
+                    and frontier[s.seq_id] and self._room(s)]
+            if not live:
+                return
+            entries = []
+            for s, _ in live:
+                e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
+                if depth:
+                    e.tree_base, e.tree_parents = base[s.seq_id], out[s.seq_id].parents
+                entries.append(e)
+            logits = self.runner.run(entries)
+            for e in entries:
+                e.seq.num_computed_tokens += e.num_new_tokens
+            row = 0
+            for seq, req in live:
+                prop, newest = out[seq.seq_id], []
+                for parent in frontier[seq.seq_id]:
+                    room = self.tree_max_nodes - len(prop.token_ids)
+                    for token, q in self._children(logits[row], min(width, room), req, gens.get(seq.seq_id)):
+                        newest.append(len(prop.token_ids))
+                        prop.token_ids.append(token)
+                        prop.parents.append(parent)
+                        if q is not None:
+                            prop.q_ids.append(q[0])
+                            prop.q_probs.append(q[1])
+                        seq.output_token_ids.append(token)  # fed as input of the next depth
+                    row += 1
+                frontier[seq.seq_id] = newest
+
+    def _children(self, logits: torch.Tensor, width: int, req: ProposeRequest, gen):
+        """Up to width (token, q) children of a node: the top tokens (q one-hot: None), or draws
+        without replacement from the top-k distribution, each with its conditional q."""
+        if width <= 0:
+            return []
+        if not self._sampled(req):
+            return [(int(t), None) for t in logits.topk(min(width, logits.shape[-1])).indices]
+        top = (logits.float() / req.temperature).topk(min(self.top_k, logits.shape[-1]))
+        probs, ids, out = top.values.softmax(-1), top.indices, []
+        for _ in range(min(width, int((probs > 0).sum()))):
+            keep = probs > 0
+            q = probs[keep] / probs[keep].sum()
+            choice = int(torch.multinomial(q, 1, generator=gen))
+            q_ids = ids[keep]
+            out.append((int(q_ids[choice]), (q_ids.tolist(), q.tolist())))
+            probs = probs.masked_fill(ids == q_ids[choice], 0.0)
+        return out
+
+    def _tree_generator(self, seq: Sequence, req: ProposeRequest) -> torch.Generator:
+        # One stream per sequence and step, drawn in the tree's own order: batch-independent.
+        if req.seed is None:
+            return self.generator
+        return torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, len(seq)))
 
     def _room(self, seq: Sequence) -> bool:
         return self.blocks.allocate(seq, len(seq))

@@ -16,8 +16,11 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
     if spec.method == "draft_model":
         from specd.proposers.draft_model import DraftModelProposer
 
+        tree = spec.tree
         proposer = DraftModelProposer(spec.model, dtype=spec.draft_dtype, device=device,
-                                      sample_method=spec.draft_sample_method, top_k=spec.draft_top_k, seed=seed)
+                                      sample_method=spec.draft_sample_method, top_k=spec.draft_top_k, seed=seed,
+                                      tree_branching=tree.branching if tree else None,
+                                      tree_max_nodes=tree.max_nodes if tree else 32)
         if target_vocab_size is not None and proposer.vocab_size != target_vocab_size:
             raise ValueError(f"draft model vocabulary ({proposer.vocab_size}) does not match the target's "
                              f"({target_vocab_size}); a drafter must share the target's tokenizer")
@@ -34,4 +37,6 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
                              f"serving target's ({target_vocab_size})")
         return proposer
     options = {k: v for k, v in spec.model_dump().items() if k.startswith(("prompt_lookup_", "suffix_decoding_"))}
+    if spec.tree is not None:  # ngram: earlier matches with different next tokens as branches
+        options.update(tree_branches=spec.tree.branching[0], tree_max_nodes=spec.tree.max_nodes)
     return PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)
