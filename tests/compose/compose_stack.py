@@ -142,10 +142,8 @@ def wait(cond, timeout: float, what: str, interval: float = 1.0):
         time.sleep(interval)
 
 
-def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict | None = None,
-                security: auth.Security | None = None):
-    """Build, `up -d`, wait for every container healthy and drafters dm and ng registered;
-    yields the Stack, then `down -v`. Skips unless run with `-m docker` and an engine is there."""
+def docker_client(request):
+    """(the docker module, a client), or a skip unless run with `-m docker` and an engine is there."""
     markexpr = request.config.getoption("markexpr") or ""
     if "docker" not in markexpr or "not docker" in markexpr:
         pytest.skip("builds images and runs compose.yaml for minutes: run `make compose-test` (pytest -m docker)")
@@ -155,6 +153,14 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
         client.ping()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no Docker engine reachable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    return docker, client
+
+
+def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict | None = None,
+                security: auth.Security | None = None):
+    """Build, `up -d`, wait for every container healthy and drafters dm and ng registered;
+    yields the Stack, then `down -v`. Skips unless run with `-m docker` and an engine is there."""
+    docker, client = docker_client(request)
     binaries = compose_binaries()
     if not binaries:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ONE_SHOT, ROOT, SECURE_FILE, complete, compose_binaries,
-                           make_secrets, openai_client, report, start_stack, wait)
+                           docker_client, make_secrets, openai_client, report, start_stack, wait)
 
 from specd import auth
 from specd.docker_swap import (drafter_command, health_command, next_name, register_request, secret_volumes,
@@ -329,6 +330,35 @@ def test_swap_carries_secrets_health_and_trust():
         request = register_request(pb.DrafterStatus(name="dm", address="drafter-dm:50061", trusted=trusted),
                                    "dm-2", "p-drafter-dm-2:50061")
         assert (request.name, request.address, request.trusted) == ("dm-2", "p-drafter-dm-2:50061", trusted)
+
+
+@pytest.mark.docker
+def test_cpu_build_without_the_wheel_stops_at_once(request, tmp_path):
+    """A real image build of the deps stage with an empty wheels/: it stops at the torch step,
+    before pip runs, with the command that fills wheels/ (no CUDA torch download)."""
+    docker, client = docker_client(request)
+    base = os.environ.get("SPECD_BASE_IMAGE") or "specd-base:bookworm"
+    try:
+        client.images.get(base)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"{base} is not built (deploy/build-base-image.sh)")
+    ctx = tmp_path / "ctx"
+    shutil.copytree(ROOT / "deploy" / "docker", ctx / "deploy" / "docker")
+    shutil.copy(ROOT / "pyproject.toml", ctx)
+    shutil.copy(DOCKERFILES["verifier"], ctx / "Dockerfile")
+    (ctx / "wheels").mkdir()
+    (ctx / "wheels" / "README.md").write_text("empty\n")
+    t0 = time.monotonic()
+    with pytest.raises(docker.errors.BuildError) as e:
+        client.images.build(path=str(ctx), target="deps", buildargs={"BASE_IMAGE": base}, rm=True, forcerm=True,
+                            nocache=True)
+    took = time.monotonic() - t0
+    log = re.sub(r"\x1b\[[0-9;]*m", "", "".join(c.get("stream", "") + c.get("error", "") for c in e.value.build_log))
+    report(f"CPU build without the wheel stopped after {took:.1f} s: {str(e.value).strip()[:200]}\n"
+           + "\n".join(line for line in log.splitlines() if line.startswith(("error:", "  pip download", "or copy"))))
+    assert "error: TORCH_VARIANT=cpu, but wheels/ in the build context has no torch-" in log
+    assert "pip download torch==" in log and "Downloading" not in log and "Collecting" not in log
+    assert took < 120
 
 
 # ---------------------------------------------------------------- the stack
