@@ -30,7 +30,6 @@ SECURE_FILE = ROOT / "compose.secure.yaml"
 WHEELS = ROOT / "wheels"
 MODEL = "SmolLM2-135M-Instruct"  # the default pair, baked into the images
 MAX_TOKENS = 32
-ONE_SHOT = {"drafter-ngram-register"}
 
 
 def report(msg: str) -> None:
@@ -108,7 +107,16 @@ class Stack:
 
     @property
     def verifier(self) -> str:
-        return f"127.0.0.1:{self.ports['SPECD_VERIFIER_PORT']}"
+        """The verifier's loopback admin address (the first replica's when scaled)."""
+        return self.verifiers()[0]
+
+    def verifiers(self) -> list[str]:
+        """Every replica's loopback admin address: its published port (`compose port --index N`)."""
+        if self.ports.get("SPECD_VERIFIER_PORT"):
+            return [f"127.0.0.1:{self.ports['SPECD_VERIFIER_PORT']}"]
+        n = len([c for c in self.containers() if c.labels.get("com.docker.compose.service") == "verifier"
+                 and c.status == "running"])
+        return [self.run("port", "--index", str(i), "verifier", "50051").stdout.strip() for i in range(1, n + 1)]
 
     @property
     def gateway(self) -> str:
@@ -119,11 +127,11 @@ class Stack:
     def prometheus(self) -> str:
         return f"http://127.0.0.1:{self.ports['SPECD_PROMETHEUS_PORT']}"
 
-    def drafters(self) -> dict:
+    def drafters(self, verifier: str | None = None) -> dict:
         from specd.v1 import verifier_pb2 as pb
         from specd.v1 import verifier_pb2_grpc as pbg
 
-        with auth.sync_channel(self.verifier, self.security, auth.VERIFIER) as channel:
+        with auth.sync_channel(verifier or self.verifier, self.security, auth.VERIFIER) as channel:
             reply = pbg.VerifierStub(channel).ListDrafters(pb.ListDraftersRequest(), timeout=10)
         return {d.name: d for d in reply.drafters}
 
@@ -157,9 +165,10 @@ def docker_client(request):
 
 
 def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict | None = None,
-                security: auth.Security | None = None):
-    """Build, `up -d`, wait for every container healthy and drafters dm and ng registered;
-    yields the Stack, then `down -v`. Skips unless run with `-m docker` and an engine is there."""
+                security: auth.Security | None = None, verifiers: int = 1):
+    """Build, `up -d` (`--scale verifier=N` for verifiers > 1), wait for every container healthy
+    and drafters dm and ng registered at every verifier replica; yields the Stack, then `down -v`.
+    Skips unless run with `-m docker` and an engine is there."""
     docker, client = docker_client(request)
     binaries = compose_binaries()
     if not binaries:
@@ -177,8 +186,10 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
         env.pop(key, None)  # the defaults: CPU torch from wheels/, the default pair, :latest
     wheel = ensure_cpu_torch_wheel()
     ports = {k: str(free_port()) for k in ("SPECD_GATEWAY_PORT", "SPECD_VERIFIER_PORT", "SPECD_PROMETHEUS_PORT")}
+    if verifiers > 1:
+        ports["SPECD_VERIFIER_PORT"] = ""  # a free loopback port per replica, as compose.yaml's default
     env.update(ports)
-    project = f"specdtest{os.getpid()}{'s' if SECURE_FILE in files else ''}"
+    project = f"specdtest{os.getpid()}{'s' if SECURE_FILE in files else ''}{f'x{verifiers}' if verifiers > 1 else ''}"
     stack = Stack(client, binaries[0], files, project, env, ports, security)
     report(f"compose: {' '.join(stack.compose)} -f {' -f '.join(f.name for f in files)}; project {project}; "
            f"base image {env['SPECD_BASE_IMAGE']}; torch from wheels/{wheel.name}; ports {ports}")
@@ -190,23 +201,16 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
                + ", ".join(f"{t} {client.images.get(t).attrs['Size'] / 1e6:.0f} MB"
                            for t in ("specd-verifier", "specd-drafter", "specd-gateway", "specd-prometheus")))
         t0 = time.monotonic()
-        stack.run(*profiles, "up", "-d")
-        report(f"`up -d` returned after {time.monotonic() - t0:.1f} s")
-
-        def all_healthy():
-            states = {}
-            for c in stack.containers():
-                service = c.labels["com.docker.compose.service"]
-                if service in ONE_SHOT:
-                    assert c.status != "exited" or c.attrs["State"]["ExitCode"] == 0, f"{service} failed"
-                    states[service] = c.status == "exited"
-                else:
-                    states[service] = (c.attrs["State"].get("Health") or {}).get("Status") == "healthy"
-            return len(states) >= 6 and all(states.values())
-
-        wait(all_healthy, 600, "every container healthy")
-        wait(lambda: {"dm", "ng"} <= {n for n, d in stack.drafters().items() if d.healthy}, 120,
-             "drafters dm and ng registered and healthy")
+        scale = ["--scale", f"verifier={verifiers}"] if verifiers > 1 else []
+        stack.run(*profiles, "up", "-d", *scale)
+        report(f"`up -d {' '.join(scale)}` returned after {time.monotonic() - t0:.1f} s")
+        # gateway, prometheus, drafter-dm, (drafter-ngram) and the verifier replicas
+        ngram = "ngram" in profiles
+        wait(lambda: all_healthy(stack, 3 + ngram + verifiers), 600, "every container healthy")
+        drafters = {"dm", "ng"} if ngram else {"dm"}
+        wait(lambda: all(drafters <= {n for n, d in stack.drafters(v).items() if d.healthy}
+                         for v in stack.verifiers()), 120,
+             f"drafters {' and '.join(sorted(drafters))} registered and healthy at every verifier replica")
         report(f"stack healthy {time.monotonic() - t0:.1f} s after `up -d`: "
                + ", ".join(sorted(c.name for c in stack.containers())))
         yield stack
@@ -215,9 +219,16 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
             logs = stack.run(*profiles, "logs", "--tail", "40", check=False)
             report("service logs (last 40 lines each):\n" + logs.stdout[-12000:])
         t0 = time.monotonic()
-        stack.run(*profiles, "down", "-v", "--remove-orphans", check=False)
+        stack.run("--profile", "ngram", "down", "-v", "--remove-orphans", check=False)  # a test may have added it
         report(f"`down -v` took {time.monotonic() - t0:.1f} s; left behind: "
                f"{[c.name for c in stack.containers()] or 'nothing'}")
+
+
+def all_healthy(stack, expected: int) -> bool:
+    """expected containers of the stack running, each healthy."""
+    states = {c.name: (c.attrs["State"].get("Health") or {}).get("Status") == "healthy"
+              for c in stack.containers() if c.status == "running"}
+    return len(states) >= expected and all(states.values())
 
 
 def openai_client(stack):

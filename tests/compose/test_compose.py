@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ONE_SHOT, ROOT, SECURE_FILE, complete, compose_binaries,
+from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, complete, compose_binaries,
                            docker_client, make_secrets, openai_client, report, start_stack, wait)
 
 from specd import auth
@@ -205,7 +205,7 @@ def test_secure_override_shape():
         f"specd-{n}": "${SPECD_SECRETS_DIR:-./deploy/secrets}/" + f
         for n, f in (("auth-token", "auth-token"), ("tls-cert", "tls.crt"), ("tls-key", "tls.key"), ("tls-ca", "ca.crt"))}
     services = secure["services"]
-    assert set(services) == {"verifier", "drafter-dm", "drafter-ngram", "drafter-ngram-register", "gateway", "prometheus"}
+    assert set(services) == {"verifier", "drafter-dm", "drafter-ngram", "gateway", "prometheus"}
     flags = {}
     for name, svc in services.items():
         if name == "prometheus":
@@ -221,8 +221,6 @@ def test_secure_override_shape():
                 rest.append(cmd[i])
                 i += 1
         expected = ["--trusted-drafter" if a == "--drafter" else a for a in base[name]["command"]]
-        if name == "drafter-ngram-register":
-            expected.append("--trusted")
         assert rest == expected, name
         for flag, value in flags[name].items():
             if flag in SECRET_FLAGS:
@@ -230,7 +228,7 @@ def test_secure_override_shape():
         assert "--auth-token-file" in flags[name], name
     for server in ("verifier", "drafter-dm", "drafter-ngram"):
         assert {"--tls-cert", "--tls-key"} <= set(flags[server]), server
-    for client in ("verifier", "gateway", "drafter-ngram-register"):
+    for client in ("verifier", "gateway"):
         assert "--tls-ca" in flags[client], client
     assert {"--ssl-certfile", "--ssl-keyfile"} <= set(flags["gateway"])
     # The name every drafter certificate carries, which deploy/make-secrets.sh puts in it.
@@ -242,7 +240,7 @@ def test_secure_override_shape():
             test = [a.replace("http://", "https://") for a in base[name]["healthcheck"]["test"]]
             assert svc["healthcheck"]["test"] == test + ["/run/secrets/specd-tls-ca"], name
             assert "specd-tls-ca" in svc["secrets"], name
-    assert set(services) - {"drafter-ngram-register", "prometheus"} <= {n for n, s in services.items() if "healthcheck" in s}
+    assert set(services) - {"prometheus"} <= {n for n, s in services.items() if "healthcheck" in s}
     # Prometheus: deploy/prometheus.yml but the gateway over HTTPS, checked against the CA.
     assert services["prometheus"]["volumes"] == ["./deploy/prometheus-secure.yml:/etc/specd/prometheus.yml:ro"]
     plain = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
@@ -452,8 +450,7 @@ def test_unpullable_profile_fails_alone(stack):
            f"{(out.stderr.strip().splitlines() or [''])[-1]}")
     assert out.returncode != 0
     assert {c.name: c.id for c in stack.containers()} == before  # nothing created, recreated or removed
-    assert all((c.attrs["State"].get("Health") or {}).get("Status") == "healthy"
-               for c in stack.containers() if c.labels["com.docker.compose.service"] not in ONE_SHOT)
+    assert all((c.attrs["State"].get("Health") or {}).get("Status") == "healthy" for c in stack.containers())
     text, spec = complete(openai_client(stack), PROMPTS[3], drafter="ng", num_speculative_tokens=4)
     assert text and spec["draft_tokens"] >= 0
 
