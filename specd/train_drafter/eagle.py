@@ -187,9 +187,10 @@ def train(head: EagleTrainHead, seqs, feats, prompt_lens, cfg: EagleConfig, log=
             losses.append(loss.item())
             agrees.append(agree.item())
             step += 1
-            if step % 25 == 0:
-                log(f"step {step}/{total}: loss {sum(losses[-25:]) / 25:.4f}, top-1 agreement "
-                    f"{sum(agrees[-25:]) / 25:.3f} ({time.perf_counter() - t0:.0f} s)")
+            if step % 25 == 0:  # losses restart each epoch: the window may be shorter than 25
+                recent = min(25, len(losses))
+                log(f"step {step}/{total}: loss {sum(losses[-recent:]) / recent:.4f}, top-1 agreement "
+                    f"{sum(agrees[-recent:]) / recent:.3f} ({time.perf_counter() - t0:.0f} s)")
         history.append({"loss": sum(losses) / len(losses), "top1_agreement": sum(agrees) / len(agrees)})
         log(f"epoch {epoch + 1}/{cfg.epochs}: {history[-1]} ({time.perf_counter() - t0:.0f} s)")
     head.eval()
