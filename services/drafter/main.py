@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences it keeps state for, over all verifiers (least recently used go first)")
     p.add_argument("--max-total-tokens", type=int, default=8 << 20,
                    help="tokens of history it keeps over all sequences (the same eviction)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipelined drafting: after each reply, draft ahead for the likely outcomes of the step the "
+                        "verifier is verifying, answered at once when one happens (draft_model and eagle; worth it "
+                        "when this drafter has its own core or GPU: drafting ahead keeps it busy)")
+    p.add_argument("--pipeline-branches", type=int, default=None,
+                   help="outcomes drafted ahead per sequence at most (default 16; best first)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="draft model dtype (draft_model; default auto: float32 on CPU)")
@@ -85,6 +91,10 @@ def build_proposer(args):
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)
     describe_features(proposer, info)
+    if getattr(args, "pipeline", False):
+        from specd.proposers.pipeline import DEFAULT_BRANCHES, PipelinedProposer
+
+        proposer = PipelinedProposer(proposer, args.pipeline_branches or DEFAULT_BRANCHES)
     return proposer, info
 
 

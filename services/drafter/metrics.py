@@ -22,6 +22,16 @@ class DrafterMetrics:
                                registry=self.registry).labels(name)
         self.history_tokens = Gauge("specd_drafter_history_tokens", "Tokens of history kept over all sequences",
                                     labels, registry=self.registry).labels(name)
+        # Pipelined drafting (--pipeline): lookups in the draft cache, and drafting ahead.
+        self.cache_hits = Counter("specd_drafter_draft_cache_hits", "Proposals answered from the draft cache",
+                                  labels, registry=self.registry).labels(name)
+        self.cache_misses = Counter("specd_drafter_draft_cache_misses",
+                                    "Proposals drafted on request (no outcome drafted ahead matched)", labels,
+                                    registry=self.registry).labels(name)
+        self.predrafted = Counter("specd_drafter_predrafted_outcomes", "Verification outcomes drafted ahead",
+                                  labels, registry=self.registry).labels(name)
+        self.predraft_seconds = Counter("specd_drafter_predraft_seconds", "Time spent drafting ahead", labels,
+                                        registry=self.registry).labels(name)
         self.up = Gauge("specd_drafter_up", "1 while the drafter serves", labels, registry=self.registry).labels(name)
         self.up.set(1)
 
@@ -30,6 +40,14 @@ class DrafterMetrics:
         self.entries.inc(entries)
         self.draft_tokens.inc(draft_tokens)
         self.propose_seconds.observe(seconds)
+
+    def observe_cache(self, hits: int, misses: int) -> None:
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
+
+    def observe_predraft(self, outcomes: int, seconds: float) -> None:
+        self.predrafted.inc(outcomes)
+        self.predraft_seconds.inc(seconds)
 
     def observe_state(self, sequences: int, tokens: int) -> None:
         self.sequences.set(sequences)

@@ -3,7 +3,9 @@
 Several verifiers may share a drafter, so sequence ids are scoped by the client id each
 verifier sends; the proposer sees internal ids. Proposers are not thread-safe: every call
 into one runs on a single worker thread, off the event loop so streams stay responsive.
-State a verifier never releases (it died) goes after a TTL. Whatever a caller sends, the
+State a verifier never releases (it died) goes after a TTL. With pipelined drafting (a
+PipelinedProposer), the worker drafts ahead after each reply, while the verifier verifies,
+until the next batch arrives (specd/proposers/pipeline.py). Whatever a caller sends, the
 drafter keeps bounded state (DrafterLimits): k is clamped to its max, over-long histories get
 no drafts, and the least recently used sequences go when it holds too many or too many tokens.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +127,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.keys = SequenceKeys()
         self.metrics = metrics
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proposer")
+        # Pipelined drafting: set when a batch arrives, so drafting ahead yields the worker to it.
+        self.pipelined = hasattr(proposer, "predraft")
+        self.batch_waiting = threading.Event()
 
     async def Info(self, request, context):
         if not (request.challenge and self.secret):
@@ -148,7 +154,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 t0 = time.perf_counter_ns()
                 released = self.keys.pop(batch.client_id, batch.release)
                 requests, answered, unknown = self._requests(batch, released)
+                self.batch_waiting.set()
                 proposals = await loop.run_in_executor(self.worker, self._propose, requests, released)
+                if self.pipelined:  # while the verifier verifies these drafts (never awaited)
+                    loop.run_in_executor(self.worker, self._predraft)
                 by_entry = dict(zip(answered, proposals))
                 out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id, propose_ns=time.perf_counter_ns() - t0)
                 for i, entry in enumerate(batch.entries):
@@ -156,7 +165,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     if p is None:  # beyond our limits (no drafts, no state) or unknown here (resync)
                         out.proposals.add(seq_id=entry.seq_id, resync=i in unknown)
                         continue
-                    msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync)
+                    msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync,
+                                            cached=p.cached)
                     for ids, probs in zip(p.q_ids or [], p.q_probs or []):
                         msg.q.add(ids=ids, probs=probs)
                 num_drafts = sum(len(p.token_ids) for p in proposals)
@@ -211,9 +221,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return t if tuple(t.shape) == (rows, width) else False
 
     def _propose(self, requests: list[ProposeRequest], released: list[int]):
+        self.batch_waiting.clear()
         if released:
             self.proposer.release(released)
-        return self.proposer.propose(requests) if requests else []
+        proposals = self.proposer.propose(requests) if requests else []
+        if self.metrics is not None and self.pipelined:
+            self.metrics.observe_cache(sum(p.cached for p in proposals),
+                                       sum(1 for r, p in zip(requests, proposals) if r.k > 0 and not p.cached))
+        return proposals
+
+    def _predraft(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            drafted = self.proposer.predraft(self.batch_waiting.is_set)
+        except Exception:  # noqa: BLE001 — drafting ahead is an optimisation: a failure costs hits only
+            log.exception("drafting ahead failed")
+            return
+        if self.metrics is not None and drafted:
+            self.metrics.observe_predraft(drafted, time.perf_counter() - t0)
 
     async def expire_loop(self, period: float | None = None) -> None:
         """Release sequences no verifier touched for ttl seconds (their verifier went away)."""

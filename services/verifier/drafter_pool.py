@@ -266,7 +266,7 @@ class DrafterPool:
             out.append(Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
                                 q_ids=[list(d.ids) for d in p.q] if use_q else None,
                                 q_probs=[list(d.probs) for d in p.q] if use_q else None,
-                                resync=p.resync, drafter=client.name))
+                                resync=p.resync, drafter=client.name, cached=p.cached))
         if violations:
             client.violations += violations
             log.warning("drafter %s: %d proposal(s) out of bounds dropped", client.name, violations)

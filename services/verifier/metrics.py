@@ -43,6 +43,9 @@ class VerifierMetrics:
                                         labels, registry=r)
         self.num_accepted = Counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                     labels, registry=r)
+        self.num_cached_drafts = Counter("specd_spec_decode_num_cached_drafts",
+                                         "Verify steps whose drafts a pipelined drafter drafted ahead (cache hits)",
+                                         labels, registry=r)
         self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each position (0-based)",
                                         ["drafter", "position"], registry=r)
@@ -63,10 +66,13 @@ class VerifierMetrics:
             self.num_drafts.labels(name).inc(s.drafts - seen.drafts)
             self.num_draft_tokens.labels(name).inc(s.draft_tokens - seen.draft_tokens)
             self.num_accepted.labels(name).inc(s.accepted_tokens - seen.accepted_tokens)
+            if s.cached_drafts > seen.cached_drafts:
+                self.num_cached_drafts.labels(name).inc(s.cached_drafts - seen.cached_drafts)
             for pos, count in enumerate(s.accepted_per_pos):
                 before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
                 self.accepted_per_pos.labels(name, str(pos)).inc(count - before)
-            self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos))
+            self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos),
+                                             s.cached_drafts)
 
     def watch_drafters(self, drafters) -> None:
         """specd_verifier_drafter_healthy{drafter}, read at scrape time from drafters() (name -> client),

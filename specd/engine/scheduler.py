@@ -32,6 +32,7 @@ class Drafts:
     # A token tree: the parent of each draft (-1: the last committed token), pointing backwards.
     # None: a chain (parents -1, 0, 1, ...).
     parents: list[int] | None = None
+    cached: bool = False  # pipelined drafting: drafted ahead (a draft-cache hit)
 
 
 @dataclass

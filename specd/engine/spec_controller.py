@@ -6,8 +6,12 @@ Cost model (DESIGN §8), measured online:
                sequences of a step together, so one exploring sequence costs far less
                than the whole batch: a single per-step number made batch 32 look cheap)
   acceptance   α per sequence (geometric MLE: accepted / (accepted + rejections))
+  pipelining   a pipelined drafter answers a share h of proposals from its draft cache: it
+               drafted them while the previous step verified, so a hit costs the wait W
+               (the round trip, plus whatever drafting ahead outlasted the verify: a hit's
+               step takes max(verify, draft)); only misses cost D(n)·k. h and W are measured.
 Expected tokens from k drafts: E(k) = (1 − α^{k+1}) / (1 − α). The controller picks the
-k that maximises Σ E / (V(T0 + Σk) + D(n)·k); k = 0 (speculation off) wins when the
+k that maximises Σ E / (V(T0 + Σk) + (1 − h)·D(n)·k + h·W); k = 0 (speculation off) wins when the
 target is compute-bound (large batch) or acceptance is low. Turning speculation on must
 beat k = 0 by SWITCH_MARGIN: what the model leaves out (the drafter catching up on a
 sequence's history when speculation turns on, ragged finishing of a batch) all costs
@@ -76,6 +80,8 @@ class SpecController:
         self.max_k, self.adaptive = max_k, adaptive
         self.verify_cost = LinearCost()
         self.draft_cost = LinearCost(decay=0.9)  # seconds per draft step vs sequences drafting
+        self.hit_rate = 0.0  # pipelined drafters: share of proposals from the draft cache (EWMA)
+        self.hit_wait = 0.0  # seconds a propose call waits when its proposals were drafted ahead (EWMA)
         self.global_acceptance = _Acceptance()
         self.per_seq: dict[int, _Acceptance] = {}
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
@@ -97,7 +103,7 @@ class SpecController:
             ks = [f if f is not None else min(k, cap) for f, (_, cap, _) in zip(fixed, seqs)]
             tokens = sum(expected_tokens(a, ki) for a, ki in zip(alphas, ks))
             drafting = sum(1 for ki in ks if ki > 0)
-            seconds = self.verify_cost(base_tokens + sum(ks)) + self.draft_cost(drafting) * max(ks, default=0)
+            seconds = self.verify_cost(base_tokens + sum(ks)) + self.draft_seconds(drafting, max(ks, default=0))
             rate = tokens / seconds if seconds > 0 else tokens
             # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
             if rate > best_rate * (SWITCH_MARGIN if best_k == 0 else 1.01):
@@ -115,7 +121,7 @@ class SpecController:
         i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         k = min(self.max_k, seqs[i][1])
         tokens = base_tokens + sum(ks)
-        cost = self.draft_cost(1) * k + self.verify_cost(tokens + k) - self.verify_cost(tokens)
+        cost = self.draft_seconds(1, k) + self.verify_cost(tokens + k) - self.verify_cost(tokens)
         if self.explore_credit >= cost:
             self.explore_credit = min(self.explore_credit - cost, cost)
             self.explore_seq = seqs[i][0]
@@ -125,9 +131,21 @@ class SpecController:
         self.verify_cost.observe(tokens, seconds)
         self.explore_credit += EXPLORE_SHARE * seconds
 
-    def observe_draft(self, steps: int, num_seqs: int, seconds: float) -> None:
-        """A propose call: `steps` draft steps (the largest k) over `num_seqs` sequences."""
-        if steps > 0 and num_seqs > 0:
+    def draft_seconds(self, num_seqs: int, k: int) -> float:
+        """Expected wait for drafts: k draft steps over num_seqs sequences, less what was drafted ahead."""
+        if k <= 0:
+            return 0.0
+        return (1 - self.hit_rate) * self.draft_cost(num_seqs) * k + self.hit_rate * self.hit_wait
+
+    def observe_draft(self, steps: int, num_seqs: int, seconds: float, cached: float = 0.0) -> None:
+        """A propose call: `steps` draft steps (the largest k) over `num_seqs` sequences, a share
+        `cached` of them answered from a pipelined drafter's draft cache."""
+        if steps <= 0 or num_seqs <= 0:
+            return
+        self.hit_rate = 0.9 * self.hit_rate + 0.1 * cached
+        if cached >= 1.0:
+            self.hit_wait = seconds if self.hit_wait == 0.0 else 0.9 * self.hit_wait + 0.1 * seconds
+        elif cached == 0.0:
             self.draft_cost.observe(num_seqs, seconds / steps)
 
     def observe_accept(self, seq_id: int, num_draft: int, num_accepted: int) -> None:

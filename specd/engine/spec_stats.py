@@ -14,11 +14,13 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    cached_drafts: int = 0  # of `drafts`, drafted ahead by a pipelined drafter (draft-cache hits)
 
-    def observe_draft(self, num_draft: int, num_accepted: int) -> None:
+    def observe_draft(self, num_draft: int, num_accepted: int, cached: bool = False) -> None:
         if num_draft == 0:
             return
         self.drafts += 1
+        self.cached_drafts += cached
         self.draft_tokens += num_draft
         self.accepted_tokens += num_accepted
         if len(self.accepted_per_pos) < num_draft:
@@ -36,4 +38,4 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "accepted_per_pos": list(self.accepted_per_pos)}
+                "accepted_per_pos": list(self.accepted_per_pos), "cached_drafts": self.cached_drafts}

@@ -85,7 +85,8 @@ class Speculator:
             # A call that drafted nothing (a drafter past its deadline, down, or out of sync)
             # says nothing about drafting cost; timed, one 250 ms deadline would price drafting
             # out for long after the drafter recovered.
-            self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0)
+            cached = sum(p.cached for p in proposals) / len(proposals)
+            self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0, cached)
         by_id = {p.seq_id: p for p in proposals}
         out = {}
         for e, req in zip(entries, requests):
@@ -95,7 +96,7 @@ class Speculator:
                 continue
             drafts, q, parents = self._validated(p, req.k)
             if drafts:
-                out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents)
+                out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents, p.cached)
         return out
 
     @staticmethod
@@ -168,9 +169,11 @@ class Speculator:
             # The controller models a chain of k: a tree counts as a chain of its depth.
             self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
                                            n_acc)
-            e.seq.spec_stats.observe_draft(n, n_acc)
+            cached = bool(n and e.drafts.cached)
+            e.seq.spec_stats.observe_draft(n, n_acc, cached)
             if n:
-                self.stats_by_drafter[e.drafts.drafter or self.config.method or "unknown"].observe_draft(n, n_acc)
+                self.stats_by_drafter[e.drafts.drafter or self.config.method or "unknown"].observe_draft(n, n_acc,
+                                                                                                      cached)
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)

@@ -40,6 +40,12 @@ class ProposeRequest:
     # None for token-only proposers.
     features: torch.Tensor | None = None
     feature_layers: tuple[int, ...] = ()  # the layers of features' columns, in order
+    # Pipelined drafting (specd/proposers/pipeline.py). tentative: draft as if new_tokens were
+    # committed, and leave the state as it was (a guess at the outcome of the step being verified).
+    tentative: bool = False
+    # Also report, per draft, the drafter's probability of it and its `alternatives` next-best
+    # tokens (Proposal.draft_probs, .alternatives), and for chain heads the states it drafted from.
+    alternatives: int = 0
 
 
 @dataclass
@@ -53,6 +59,13 @@ class Proposal:
     parents: list[int] | None = None
     resync: bool = False
     drafter: str | None = None  # set by the verifier's drafter pool: which service answered
+    cached: bool = False  # pipelined drafting: drafted ahead, taken from the draft cache
+    # Asked for with ProposeRequest.alternatives (chains only), never sent over the wire:
+    draft_probs: list[float] | None = None  # the drafter's probability of each draft
+    alternatives: list[list[tuple[int, float]]] | None = None  # per draft: next-best (token, prob)
+    # Chain heads: the state each draft was drafted from (the head's stand-in for the target's
+    # feature row that will predict that token), [len(token_ids), width].
+    draft_features: torch.Tensor | None = None
 
 
 class Proposer(Protocol):

@@ -24,6 +24,7 @@ import secrets
 import torch
 
 from specd.proposers.base import Proposal, ProposeRequest
+from specd.proposers.pipeline import record_alternatives
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.model_runner import ModelRunner
@@ -65,21 +66,32 @@ class DraftModelProposer:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
+    @property
+    def supports_tentative(self) -> bool:
+        return not self.tree_branching  # pipelined drafting plans outcomes of chains
+
+    # Tentative requests fork the sequence (_fork): many outcomes of one sequence draft in one batch.
+    tentative_batches = True
+
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
         out: dict[int, Proposal] = {}
         active: list[tuple[Sequence, ProposeRequest]] = []
+        keys, forks = [], {}  # keys: where each request's proposal is in out; forks: id -> shared tokens
         for req in batch:
-            seq = self._sync(req)
+            seq = self._fork(req, -1 - len(forks), forks) if req.tentative else self._sync(req)
+            keys.append(seq.seq_id if seq is not None else req.seq_id)
             if seq is None:
-                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+                out[keys[-1]] = Proposal(seq_id=req.seq_id, token_ids=[], resync=not req.tentative)
             elif req.k <= 0 or len(seq) + req.k > self.max_model_len:
-                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+                out[keys[-1]] = Proposal(seq_id=req.seq_id, token_ids=[])
             else:
                 active.append((seq, req))
-                out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[],
-                                           q_ids=[] if self._sampled(req) else None,
-                                           q_probs=[] if self._sampled(req) else None,
-                                           parents=[] if self.tree_branching else None)
+                out[keys[-1]] = Proposal(seq_id=req.seq_id, token_ids=[],
+                                         q_ids=[] if self._sampled(req) else None,
+                                         q_probs=[] if self._sampled(req) else None,
+                                         parents=[] if self.tree_branching else None,
+                                         draft_probs=[] if req.alternatives else None,
+                                         alternatives=[] if req.alternatives else None)
         with torch.inference_mode():
             (self._draft_tree if self.tree_branching else self._draft)(active, out)
         for seq, _ in active:  # roll back: state holds committed tokens only
@@ -87,7 +99,24 @@ class DraftModelProposer:
             del seq.output_token_ids[len(seq.output_token_ids) - len(out[seq.seq_id].token_ids):]
             seq.num_computed_tokens = min(seq.num_computed_tokens, committed)
             self.blocks.truncate(seq, seq.num_computed_tokens)
-        return [out[r.seq_id] for r in batch]
+        for seq, _ in active:  # a fork gives back its own blocks, never the shared ones
+            if seq.seq_id in forks:
+                self.blocks.truncate(seq, forks[seq.seq_id])
+        return [out[key] for key in keys]
+
+    def _fork(self, req: ProposeRequest, fork_id: int, forks: dict[int, int]) -> Sequence | None:
+        """A tentative request's sequence: the committed history plus req's delta, reading the
+        parent's full KV blocks in place (shared, never written: the fork starts computing at
+        the first position after them). Several forks of one sequence draft in one batch."""
+        parent = self.seqs.get(req.seq_id)
+        if (parent is None or req.full_history or len(parent) + len(req.new_tokens) != req.num_tokens
+                or self.tree_branching):
+            return None
+        fork = Sequence(parent.token_ids + list(req.new_tokens), _GREEDY, seq_id=fork_id)
+        shared = min(parent.num_computed_tokens // self.blocks.block_size, len(parent.block_table))
+        fork.block_table = parent.block_table[:shared]
+        fork.num_computed_tokens = forks[fork_id] = shared * self.blocks.block_size
+        return fork
 
     def _draft(self, active, out) -> None:
         for step in range(max((r.k for _, r in active), default=0)):
@@ -107,6 +136,8 @@ class DraftModelProposer:
                 else:
                     token = int(row.argmax())
                 prop.token_ids.append(token)
+                if req.alternatives:
+                    record_alternatives(prop, row, token, req)
                 seq.output_token_ids.append(token)  # fed as input of the next draft step
 
     def _draft_tree(self, active, out) -> None:

@@ -22,6 +22,7 @@ import torch
 from specd.engine.loader import default_device, resolve_dtype
 from specd.engine.sampler import draft_seed
 from specd.proposers.base import Proposal, ProposeRequest, feature_rows
+from specd.proposers.pipeline import record_alternatives
 from specd.proposers.heads.checkpoint import load_target_pieces, read_config, read_tensors, resolve_head_dir
 
 CHAIN_METHODS = ("eagle", "eagle3")
@@ -90,6 +91,13 @@ class HiddenStateProposer:
         self.target_fingerprint = str(cfg.get(FINGERPRINT_KEY) or "")
 
     @property
+    def supports_tentative(self) -> bool:
+        """Pipelined drafting (specd/proposers/pipeline.py): EAGLE-1's own states stand in for
+        the target's feature rows; EAGLE-3 fuses three layers into them, and the parallel heads
+        keep no state to draft ahead from."""
+        return self.method == "eagle"
+
+    @property
     def hidden_size(self) -> int:
         return self.arch.hidden_size
 
@@ -105,11 +113,18 @@ class HiddenStateProposer:
         out: dict[int, Proposal] = {}
         catch_up: list[tuple[_State, list[int], torch.Tensor]] = []  # chain heads: new pairs to run
         synced: list[tuple[_State, ProposeRequest]] = []
+        saved: dict[int, tuple] = {}  # tentative requests: the state to return to
         with torch.inference_mode():
             for req in batch:
+                state = self.seqs.get(req.seq_id)
+                if req.tentative:
+                    if not self._tentative_fits(req, state) or req.seq_id in saved:
+                        out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+                        continue
+                    saved[req.seq_id] = (len(state.tokens), state.kv.length, state.last)
                 state = self._sync(req, catch_up)
                 if state is None:
-                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=not req.tentative)
                 else:
                     synced.append((state, req))
             if catch_up:  # every sequence's new pairs in one ragged forward
@@ -128,6 +143,11 @@ class HiddenStateProposer:
                     out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
             if active:
                 self._draft(active, out)
+            for sid, (n, kv_length, last) in saved.items():  # a tentative delta was never committed
+                state = self.seqs[sid]
+                del state.tokens[n:]
+                state.kv.truncate(kv_length)
+                state.last = last
         return [out[r.seq_id] for r in batch]
 
     def release(self, seq_ids: list[int]) -> None:
@@ -135,6 +155,14 @@ class HiddenStateProposer:
             self.seqs.pop(sid, None)
 
     # -- state ---------------------------------------------------------------
+    def _tentative_fits(self, req: ProposeRequest, state: _State | None) -> bool:
+        """A tentative request must apply cleanly (_sync drops the state of one that does not)."""
+        width = len(self.feature_layers) * self.arch.hidden_size
+        rows = req.features
+        return (self.supports_tentative and state is not None and not req.full_history
+                and len(state.tokens) + len(req.new_tokens) == req.num_tokens <= self.max_positions
+                and rows is not None and rows.dim() == 2 and tuple(rows.shape) == (len(req.new_tokens), width))
+
     def _sync(self, req: ProposeRequest, catch_up: list) -> _State | None:
         """Apply the committed delta and its feature rows (chain heads: queue the new pairs on
         catch_up); None when out of sync (state dropped)."""
@@ -178,8 +206,10 @@ class HiddenStateProposer:
         for _, req, _ in active:
             sampled = self._sampled(req)
             props.append(Proposal(seq_id=req.seq_id, token_ids=[], q_ids=[] if sampled else None,
-                                  q_probs=[] if sampled else None))
+                                  q_probs=[] if sampled else None, draft_probs=[] if req.alternatives else None,
+                                  alternatives=[] if req.alternatives else None))
             out[req.seq_id] = props[-1]
+        states: list[list[torch.Tensor]] = [[] for _ in active]  # chain heads: each draft's state
 
         def pick(b: int, i: int, logits: torch.Tensor) -> int:  # logits [V_head] float32 -> a target id
             req, prop = active[b][1], props[b]
@@ -193,6 +223,8 @@ class HiddenStateProposer:
                 idx = int(logits.argmax())
             token = idx if token_ids is None else int(token_ids[idx])
             prop.token_ids.append(token)
+            if req.alternatives:
+                record_alternatives(prop, logits, token, req, token_ids)
             return token
 
         ks = [k for _, _, k in active]
@@ -206,6 +238,8 @@ class HiddenStateProposer:
         for i in range(max(ks)):
             logits = self.head.logits(h)  # [B_live, V_head]
             tokens = [pick(b, i, row) for b, row in zip(live, logits)]
+            for b, row in zip(live, h):
+                states[b].append(row)
             keep = [j for j, b in enumerate(live) if ks[b] > i + 1]
             if not keep:
                 break
@@ -216,6 +250,9 @@ class HiddenStateProposer:
                                   from_target=False)
         for (state, _, _), n in zip(active, committed):
             state.kv.truncate(n)  # state holds committed pairs only
+        for (_, req, _), prop, rows in zip(active, props, states):
+            if req.alternatives and rows:
+                prop.draft_features = torch.stack(rows)
 
     def _sampled(self, req: ProposeRequest) -> bool:
         return self.sample_method == "sampled" and (req.temperature or 0.0) > 0

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 import grpc
 import pytest
-import torch
 from faulty_drafters import start_faulty
+from target_distribution import chi2_uniform, pit_values
 
 from specd import auth
 from specd.demo_paths import demo_model_dir
@@ -34,21 +33,9 @@ SECRET = "hostile-suite-secret"
 SECURITY = auth.Security(secret=SECRET)
 TARGET = demo_model_dir("target")
 NUM_REQUESTS, MAX_TOKENS = 200, 520  # 200 x 519 = 103,800 drafted-for tokens
-BINS = 20
-FALSE_POSITIVE_RATE = 1e-6
 SNIPPETS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self",
             "for i in range(10):\n    ", "    return self.", "with open(path) as f:\n    ",
             "try:\n    import json\nexcept ", "while True:\n    line = "]
-
-
-def chi2_critical(df: int, alpha: float = FALSE_POSITIVE_RATE) -> float:
-    """Upper alpha quantile of chi-square(df), Wilson–Hilferty; the normal quantile by bisection."""
-    lo, hi = 0.0, 10.0
-    for _ in range(100):
-        z = (lo + hi) / 2
-        lo, hi = (z, hi) if 0.5 * math.erfc(z / math.sqrt(2)) > alpha else (lo, z)
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * math.sqrt(c)) ** 3
 
 
 @pytest.fixture(scope="module")
@@ -97,37 +84,6 @@ async def _generate_all(address: str, prompts: list[list[int]], drafter: str, ma
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-def pit_values(prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
-    """u = F(x-) + V·p(x) for every output token after the first, p the target's float32
-    distribution at that position (temperature 1, nothing filtered)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1234)
-    out = []
-    groups: dict[int, list[tuple[list[int], list[int]]]] = {}
-    for prompt, ids in zip(prompts, outputs):
-        groups.setdefault(len(prompt), []).append((prompt, ids))
-    with torch.inference_mode():
-        for n_prompt, items in groups.items():
-            for start in range(0, len(items), 8):
-                batch = items[start:start + 8]
-                seqs = torch.tensor([p + ids for p, ids in batch])
-                logits = model(seqs).logits[:, n_prompt:-1].float()  # rows predicting output tokens 1..
-                probs = logits.softmax(-1)
-                x = seqs[:, n_prompt + 1:]
-                cdf_before = probs.cumsum(-1).gather(-1, x[..., None])[..., 0] - probs.gather(-1, x[..., None])[..., 0]
-                p_x = probs.gather(-1, x[..., None])[..., 0]
-                out.append((cdf_before + torch.rand(p_x.shape, generator=gen) * p_x).flatten())
-    return torch.cat(out).clamp(0, 1 - 1e-9)
-
-
-def chi2_uniform(u: torch.Tensor) -> tuple[float, float]:
-    counts = torch.bincount((u * BINS).long(), minlength=BINS).double()
-    expected = u.numel() / BINS
-    return float(((counts - expected) ** 2 / expected).sum()), chi2_critical(BINS - 1)
-
-
 @pytest.fixture(scope="module")
 def prompts():
     tok = Tokenizer.from_dir(TARGET)
@@ -144,7 +100,7 @@ def test_untrusted_liar_cannot_bias_sampled_output(verifier, liars, prompts):
     # The liar drafted for (nearly) every step and some drafts were right: both paths of the
     # acceptance test (accept, replace) are in the sample.
     assert drafted > NUM_REQUESTS * MAX_TOKENS and accepted > 1000, (drafted, accepted)
-    u = pit_values(batch, outputs)
+    u = pit_values(TARGET, batch, outputs)
     assert u.numel() >= 100_000
     stat, critical = chi2_uniform(u)
     print(f"untrusted liar: {u.numel()} samples, {drafted} drafted, {accepted} accepted, chi2 {stat:.1f} "
@@ -158,7 +114,7 @@ def test_the_same_check_fails_when_the_liar_is_trusted(verifier, liars, prompts)
     accepted = sum(spec.accepted_tokens for _, spec in results)
     drafted = sum(spec.draft_tokens for _, spec in results)
     assert accepted > 0.9 * drafted, (accepted, drafted)  # believed: nearly every lie is accepted
-    u = pit_values(batch, [ids for ids, _ in results])
+    u = pit_values(TARGET, batch, [ids for ids, _ in results])
     stat, critical = chi2_uniform(u)
     print(f"trusted liar: {u.numel()} samples, {drafted} drafted, {accepted} accepted, chi2 {stat:.1f} "
           f"(critical {critical:.1f})")

@@ -31,7 +31,7 @@ def test_drift_is_detected(tmp_path):
     for proto in (REPO / "protos" / "specd" / "v1").glob("*.proto"):
         text = proto.read_text()
         if proto.name == "drafter.proto":
-            text = text.replace("bool resync = 4;", "bool resync = 4;\n  uint32 extra = 5;")
+            text = text.replace("bool resync = 4;", "bool resync = 4;\n  uint32 extra = 99;")
         (root / "specd" / "v1" / proto.name).write_text(text)
     gen.PROTO_ROOT = root
     changed = gen.generate(tmp_path / "out")
