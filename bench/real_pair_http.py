@@ -122,15 +122,20 @@ class Services:
                    threading.Event(), timeout=120)
 
     def scrape(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
+        return scrape(self.metrics_port)
 
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-        return out
+
+def scrape(port: int) -> dict[str, float]:
+    """A loopback /metrics page as {'name{label=value,...}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
 
 
 def metrics_delta(before: dict, after: dict, drafter: str) -> dict:

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipelined drafting for the draft_model drafter (it drafts ahead while the verifier "
+                        "verifies; worth it when drafters have cores of their own)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-key", default=None, help="enables the gateway's /admin/* with this key")
     p.add_argument("--tls-cert", default=None, metavar="PEM",
@@ -238,7 +241,7 @@ def run(args) -> int:
                     "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log,
                     *server_tls]
             if method == "draft_model":
-                argv += ["--model", model]
+                argv += ["--model", model] + (["--pipeline"] if args.pipeline else [])
             stack.start(f"drafter {name}", argv)
             checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a, security)))
             drafter_flags += ["--trusted-drafter", f"{name}=127.0.0.1:{port}"]

@@ -233,7 +233,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _predraft(self) -> None:
         t0 = time.perf_counter()
         try:
-            drafted = self.proposer.predraft(self.batch_waiting.is_set)
+            drafted = self.proposer.predraft(self.batch_waiting.is_set, in_time=True)
         except Exception:  # noqa: BLE001 — drafting ahead is an optimisation: a failure costs hits only
             log.exception("drafting ahead failed")
             return

@@ -97,6 +97,10 @@ class HiddenStateProposer:
         keep no state to draft ahead from."""
         return self.method == "eagle"
 
+    # Tentative requests fork the state (a copy of the head's KV): many outcomes of one sequence
+    # draft in one batch.
+    tentative_batches = True
+
     @property
     def hidden_size(self) -> int:
         return self.arch.hidden_size
@@ -110,23 +114,24 @@ class HiddenStateProposer:
         return self.arch.num_layers
 
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
-        out: dict[int, Proposal] = {}
+        out: list[Proposal | None] = [None] * len(batch)
         catch_up: list[tuple[_State, list[int], torch.Tensor]] = []  # chain heads: new pairs to run
-        synced: list[tuple[_State, ProposeRequest]] = []
-        saved: dict[int, tuple] = {}  # tentative requests: the state to return to
+        synced: list[tuple[int, _State, ProposeRequest]] = []
         with torch.inference_mode():
-            for req in batch:
-                state = self.seqs.get(req.seq_id)
-                if req.tentative:
-                    if not self._tentative_fits(req, state) or req.seq_id in saved:
-                        out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+            for i, req in enumerate(batch):
+                if req.tentative:  # a fork: the committed state plus the delta, on a copy of its KV
+                    state = self.seqs.get(req.seq_id)
+                    if not self._tentative_fits(req, state):
+                        out[i] = Proposal(seq_id=req.seq_id, token_ids=[])
                         continue
-                    saved[req.seq_id] = (len(state.tokens), state.kv.length, state.last)
-                state = self._sync(req, catch_up)
-                if state is None:
-                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[], resync=not req.tentative)
+                    state = _State(state.tokens + list(req.new_tokens), state.kv.fork(), state.last)
+                    catch_up.append((state, list(req.new_tokens), req.features.to(self.device, self.dtype)))
                 else:
-                    synced.append((state, req))
+                    state = self._sync(req, catch_up)
+                if state is None:
+                    out[i] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+                else:
+                    synced.append((i, state, req))
             if catch_up:  # every sequence's new pairs in one ragged forward
                 outs = self.head.forward([s.kv for s, _, _ in catch_up], [len(t) for _, t, _ in catch_up],
                                          torch.tensor([t for _, ts, _ in catch_up for t in ts], device=self.device),
@@ -134,21 +139,18 @@ class HiddenStateProposer:
                 ends = torch.tensor([len(t) for _, t, _ in catch_up]).cumsum(0) - 1
                 for (state, _, _), row in zip(catch_up, outs[ends.to(outs.device)]):
                     state.last = row
-            active = []
-            for state, req in synced:
+            active, where = [], []
+            for i, state, req in synced:
                 k = min(req.k, self.max_k, self.max_positions - len(state.tokens))
                 if k > 0 and state.last is not None:
                     active.append((state, req, k))
+                    where.append(i)
                 else:
-                    out[req.seq_id] = Proposal(seq_id=req.seq_id, token_ids=[])
+                    out[i] = Proposal(seq_id=req.seq_id, token_ids=[])
             if active:
-                self._draft(active, out)
-            for sid, (n, kv_length, last) in saved.items():  # a tentative delta was never committed
-                state = self.seqs[sid]
-                del state.tokens[n:]
-                state.kv.truncate(kv_length)
-                state.last = last
-        return [out[r.seq_id] for r in batch]
+                for i, prop in zip(where, self._draft(active)):
+                    out[i] = prop
+        return out
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
@@ -200,7 +202,7 @@ class HiddenStateProposer:
         return state
 
     # -- drafting --------------------------------------------------------------
-    def _draft(self, active: list[tuple[_State, ProposeRequest, int]], out: dict[int, Proposal]) -> None:
+    def _draft(self, active: list[tuple[_State, ProposeRequest, int]]) -> list[Proposal]:
         token_ids = getattr(self.head, "token_ids", None)  # EAGLE-3: draft index -> target id
         props = []
         for _, req, _ in active:
@@ -208,7 +210,6 @@ class HiddenStateProposer:
             props.append(Proposal(seq_id=req.seq_id, token_ids=[], q_ids=[] if sampled else None,
                                   q_probs=[] if sampled else None, draft_probs=[] if req.alternatives else None,
                                   alternatives=[] if req.alternatives else None))
-            out[req.seq_id] = props[-1]
         states: list[list[torch.Tensor]] = [[] for _ in active]  # chain heads: each draft's state
 
         def pick(b: int, i: int, logits: torch.Tensor) -> int:  # logits [V_head] float32 -> a target id
@@ -231,7 +232,7 @@ class HiddenStateProposer:
         if self.method in PARALLEL_METHODS:
             self.head.draft(torch.stack([s.last for s, _, _ in active]), [s.tokens[-1] for s, _, _ in active],
                             ks, pick)
-            return
+            return props
         committed = [s.kv.length for s, _, _ in active]
         h = torch.stack([s.last for s, _, _ in active])  # [B, H]: the head's state per sequence
         live = list(range(len(active)))
@@ -253,6 +254,7 @@ class HiddenStateProposer:
         for (_, req, _), prop, rows in zip(active, props, states):
             if req.alternatives and rows:
                 prop.draft_features = torch.stack(rows)
+        return props
 
     def _sampled(self, req: ProposeRequest) -> bool:
         return self.sample_method == "sampled" and (req.temperature or 0.0) > 0

@@ -23,6 +23,7 @@ The next real request brings the target's states, so the committed state is alwa
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -84,7 +85,7 @@ def plan(req: ProposeRequest, prop: Proposal, k: int, max_branches: int) -> list
 
 def _tentative(req: ProposeRequest, prop: Proposal, delta: list[int], base: int, k: int) -> ProposeRequest:
     features = None
-    if req.feature_layers:
+    if req.features is not None:  # a hidden-state drafter: stand-in rows for the delta
         if prop.draft_features is None or prop.draft_features.shape[0] < len(delta):
             features = torch.empty(0)  # no stand-in states: the proposer answers nothing
         else:
@@ -133,12 +134,19 @@ class PipelinedProposer:
         self.cache: dict[int, list[_Entry]] = {}  # seq_id -> drafts for its candidate outcomes
         self.pending: list[Branch] = []  # outcomes still to draft, best first
         self.hits = self.misses = self.predrafted = 0
+        # A round that outlasts the verify step delays the next request (it waits for the round):
+        # start one only if it should end in time, by the recent gaps between requests and rounds.
+        self.gap_s = self.round_s = 0.0  # EWMAs: reply -> next request; one round of drafting ahead
+        self._replied_at: float | None = None
 
     def __getattr__(self, name):  # vocab_size, feature_layers, ...: the proposer's
         return getattr(self.proposer, name)
 
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
         self.pending = []  # the verifier moved on: earlier guesses are moot
+        if self._replied_at is not None:
+            gap = min(time.perf_counter() - self._replied_at, 1.0)  # an idle pause is not a verify step
+            self.gap_s = gap if self.gap_s == 0.0 else 0.8 * self.gap_s + 0.2 * gap
         out: dict[int, Proposal] = {}
         deltas, asked = [], []
         for req in batch:
@@ -159,6 +167,7 @@ class PipelinedProposer:
         for r, p in answered:
             self.pending += plan(r, p, r.k, self.max_branches)
         self.pending.sort(key=lambda b: -b.prob)
+        self._replied_at = time.perf_counter()
         return [self._public(out[r.seq_id]) for r in batch]
 
     def _take(self, req: ProposeRequest) -> _Entry | None:
@@ -174,14 +183,19 @@ class PipelinedProposer:
         # What goes back to the caller; the records stay in the cache entries.
         return replace(p, draft_probs=None, alternatives=None, draft_features=None)
 
-    def predraft(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+    def predraft(self, should_stop: Callable[[], bool] = lambda: False, in_time: bool = False) -> int:
         """Draft the pending outcomes best first until none is left or should_stop(). A proposer
         that forks sequences (tentative_batches) drafts a round of up to ROUND outcomes in one
         batch, several per sequence; others one outcome per sequence per round (they
-        hold one state per sequence). Returns how many outcomes were drafted."""
+        hold one state per sequence). in_time: start a round only if it should end before the
+        next request arrives (the service). Returns how many outcomes were drafted."""
         done = 0
         forks = getattr(self.proposer, "tentative_batches", False)
         while self.pending and not should_stop():
+            elapsed = time.perf_counter() - (self._replied_at or 0.0)
+            if in_time and self.gap_s and self.round_s and elapsed + self.round_s > self.gap_s:
+                break  # it would end after the next request arrives
+            started = time.perf_counter()
             round_, rest, seen = [], [], set()
             for b in self.pending:
                 fits = len(round_) < ROUND if forks else b.request.seq_id not in seen
@@ -200,6 +214,8 @@ class PipelinedProposer:
                 if p.token_ids:
                     self.cache.setdefault(req.seq_id, []).append(_Entry(req, p))
                     done += 1
+            took = time.perf_counter() - started
+            self.round_s = took if self.round_s == 0.0 else 0.8 * self.round_s + 0.2 * took
         self.predrafted += done
         return done
 

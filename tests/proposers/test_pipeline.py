@@ -71,7 +71,7 @@ def test_bonus_outcome_is_drafted_ahead(llama_dir, make_prompts):
 
 def test_eagle_drafting_ahead_leaves_the_committed_state_exact(tmp_path, make_prompts):
     """EAGLE drafts ahead from its own predicted states; the next real request brings the
-    target's. Whatever was drafted ahead, every miss proposes what a proposer that never
+    target's (as the drafter service builds requests: features, no layer names). Whatever was drafted ahead, every miss proposes what a proposer that never
     pipelined proposes from the same committed tokens and features."""
     from specd.proposers.hidden_state import HiddenStateProposer
 
@@ -87,8 +87,7 @@ def test_eagle_drafting_ahead_leaves_the_committed_state_exact(tmp_path, make_pr
     table = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))  # "the target's" row per position
     rng = random.Random(2)
     tokens = make_prompts(1, seed=5, vocab=96, max_len=10)[0]
-    req = ProposeRequest(1, list(tokens), len(tokens), K, full_history=True, features=table[:len(tokens) - 1],
-                         feature_layers=(4,))
+    req = ProposeRequest(1, list(tokens), len(tokens), K, full_history=True, features=table[:len(tokens) - 1])
     compared = 0
     for _ in range(30):
         got, want = pipe.propose([req])[0], ref.propose([req])[0]
@@ -98,8 +97,7 @@ def test_eagle_drafting_ahead_leaves_the_committed_state_exact(tmp_path, make_pr
         pipe.predraft()
         delta = _outcome(rng, pipe, got.token_ids, 96)
         start = req.num_tokens
-        req = ProposeRequest(1, delta, start + len(delta), K, features=table[start - 1:start - 1 + len(delta)],
-                             feature_layers=(4,))
+        req = ProposeRequest(1, delta, start + len(delta), K, features=table[start - 1:start - 1 + len(delta)])
     assert pipe.hits >= 5 and compared >= 5, (pipe.hits, compared)
 
 

@@ -40,6 +40,15 @@ class KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def fork(self) -> "KVCache":
+        """A copy of positions [0, length) that grows on its own (pipelined drafting's branches)."""
+        out = KVCache(len(self.k))
+        out.length = self.length
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            if k is not None:
+                out.k[i], out.v[i] = k[: self.length].clone(), v[: self.length].clone()
+        return out
+
 
 class HeadAttention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, in_dim: int):
