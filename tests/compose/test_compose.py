@@ -115,8 +115,10 @@ def test_compose_config_is_valid(binary, tmp_path):
     verifier = spec["services"]["verifier"]
     assert "--auth-token-file" in verifier["command"] and "--trusted-drafter" in verifier["command"]
     assert {s["source"] if isinstance(s, dict) else s for s in verifier["secrets"]} == set(spec["secrets"])
-    assert any(v.endswith("prometheus-secure.yml:/etc/specd/prometheus.yml:ro")
-               for v in spec["services"]["prometheus"]["volumes"])
+    # v1 renders a bind mount as "SRC:DST:ro", v2 in the long syntax
+    mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}{':ro' if v.get('read_only') else ''}"
+              for v in spec["services"]["prometheus"]["volumes"]]
+    assert any(v.endswith("prometheus-secure.yml:/etc/specd/prometheus.yml:ro") for v in mounts), mounts
 
 
 DOCKERFILES = {n: ROOT / "services" / n / "Dockerfile" for n in ("verifier", "drafter", "gateway")}

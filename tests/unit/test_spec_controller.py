@@ -91,6 +91,22 @@ def test_spec_stats_counts_and_ratios():
     s = SpecStats()
     s.observe_draft(0, 0)  # no drafts: nothing counted
     s.observe_draft(4, 2)
-    s.observe_draft(3, 3)
-    assert s.to_dict() == {"drafts": 2, "draft_tokens": 7, "accepted_tokens": 5, "accepted_per_pos": [2, 2, 1, 0]}
+    s.observe_draft(3, 3, cached=True)  # drafted ahead by a pipelined drafter
+    assert s.to_dict() == {"drafts": 2, "draft_tokens": 7, "accepted_tokens": 5, "accepted_per_pos": [2, 2, 1, 0],
+                           "cached_drafts": 1}
     assert abs(s.acceptance_rate - 5 / 7) < 1e-12 and s.mean_acceptance_length == 3.5
+
+
+def test_drafts_taken_from_a_pipelined_drafters_cache_cost_only_the_wait():
+    """Drafting priced at (1 - h)·D·k + h·W: with drafts slow against verify, k = 0 wins while
+    every proposal is drafted on request, and speculation pays once most come from the cache."""
+    c = _trained(lambda t: 0.010 + 0.00001 * t, alpha=0.5, seqs=[0])
+    for _ in range(20):
+        c.observe_draft(4, 1, 4 * 0.004)  # synchronous: 4 ms per draft step, 16 ms per call
+    assert c.choose([(0, 4, None)], base_tokens=1) == [0]
+    sync = c.draft_seconds(1, 4)
+    for _ in range(40):
+        c.observe_draft(4, 1, 0.0005, cached=1.0)  # drafted ahead: a 0.5 ms wait
+    assert c.hit_rate > 0.95 and abs(c.hit_wait - 0.0005) < 1e-9
+    assert c.draft_seconds(1, 4) < 0.1 * sync
+    assert c.choose([(0, 4, None)], base_tokens=1)[0] > 0
