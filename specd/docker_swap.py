@@ -4,7 +4,7 @@
    of its address (a container name, a network alias such as compose's service name, or an IP).
 2. Start the new container on the same network (or --network), with the old one's network
    aliases (so `drafter-dm` keeps naming the draft-model drafter: Prometheus and a restarted
-   verifier find the replacement), its compose labels (so `docker compose down` removes it),
+   verifier find the replacement), its compose labels (so `docker compose down`, v1 and v2, removes it),
    its OTEL_*/SPECD_* environment, its secrets (the files mounted under /run/secrets/, e.g. by
    compose.secure.yaml), its healthcheck and its command line with --name/--method/--model
    replaced: so it holds the stack's shared secret and TLS material as the old one did.
@@ -238,10 +238,12 @@ def _aliases(container, network: str) -> list[str]:
 
 
 def compose_labels(container) -> dict[str, str]:
-    """Compose's labels minus its config hash: `down` then removes the new container with the stack,
-    and `up` sees a changed service (and recreates it from compose.yaml) instead of a stray one."""
-    labels = {k: v for k, v in container.labels.items()
-              if k.startswith(COMPOSE_LABEL) and k != COMPOSE_LABEL + "config-hash"}
+    """Compose's labels with a config hash of our own: `down` then removes the new container with
+    the stack, and `up` sees a changed service (and recreates it from compose.yaml) instead of a
+    stray one. The label must be there: Compose v2 lists only containers that carry it."""
+    labels = {k: v for k, v in container.labels.items() if k.startswith(COMPOSE_LABEL)}
+    if COMPOSE_LABEL + "config-hash" in labels:
+        labels[COMPOSE_LABEL + "config-hash"] = "specd-drafters-swap"
     if COMPOSE_LABEL + "container-number" in labels:
         labels[COMPOSE_LABEL + "container-number"] = str(int(labels[COMPOSE_LABEL + "container-number"]) + 1)
     return labels
