@@ -4,13 +4,15 @@
 #
 #   install-torch.sh VARIANT WHEEL_DIR PYPROJECT [INDEX_URL]
 #
-# VARIANT is cpu or a CUDA tag (cu128, cu126, ...); the version is pyproject's torch pin.
+# VARIANT is cpu, a CUDA tag (cu128, cu126, ...) or cuda; the version is pyproject's torch pin.
 #   1. WHEEL_DIR (./wheels in the build context) holds torch-VERSION+VARIANT-cpXY-*.whl: that
 #      wheel, its own dependencies (sympy, typing-extensions, ...; no other torch) from PyPI or
 #      EXTRA_PIP_ARGS' mirror.
 #   2. Else INDEX_URL is set: torch from that one index alone (--index-url, never as an extra
 #      index, so pip never retries a second index for every other package).
-#   3. Else VARIANT is a CUDA tag: the PyTorch index for it, download.pytorch.org/whl/VARIANT.
+#   3. Else VARIANT is cuda: torch==VERSION from PyPI (or EXTRA_PIP_ARGS' mirror), whose Linux
+#      x86_64 wheel is the CUDA build that release was made with (no +cuXXX tag to pin).
+#   3b. Else VARIANT is a CUDA tag: the PyTorch index for it, download.pytorch.org/whl/VARIANT.
 #   4. Else (cpu, no wheel, no index): stop with the command that fills WHEEL_DIR. Plain PyPI
 #      would serve the CUDA build, which is what this script exists to refuse.
 # Afterwards torch's own variant is checked, and $TORCH_CONSTRAINT (/tmp/torch-constraint.txt)
@@ -30,6 +32,10 @@ if [ -n "$wheel" ]; then
   echo "torch: $(basename "$wheel") from the build context's wheels/"
   # shellcheck disable=SC2086  # EXTRA_PIP_ARGS is a list of arguments
   pip install ${EXTRA_PIP_ARGS:-} "$wheel"
+elif [ "$variant" = cuda ] && [ -z "$index" ]; then
+  echo "torch: torch==$version from PyPI, a CUDA build (its wheel's own CUDA version)"
+  # shellcheck disable=SC2086  # EXTRA_PIP_ARGS is a list of arguments
+  pip install ${EXTRA_PIP_ARGS:-} "torch==$version"
 elif [ -n "$index" ] || [ "$variant" != cpu ]; then
   index=${index:-https://download.pytorch.org/whl/$variant}
   echo "torch: torch==$version+$variant from $index (the only index of this pip call)"
@@ -55,4 +61,5 @@ if variant != "cpu" and not torch.version.cuda:
     sys.exit(f"error: TORCH_VARIANT={variant}, but torch {torch.__version__} has no CUDA")
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}) installed")
 PY
-python -c 'import torch; print(f"torch=={torch.__version__}")' > "$constraint"
+# The distribution's own version: PyPI's CUDA wheel is 2.13.0 while torch.__version__ says +cu130.
+python -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > "$constraint"

@@ -183,6 +183,10 @@ def test_install_torch_variants(tmp_path):
     assert pip_calls.split() == ["install", "--index-url", "https://download.pytorch.org/whl/cu128", f"torch=={pin}+cu128"]
     if not torch_cuda:  # this host's CPU torch stands in for what pip would have installed
         assert out.returncode == 1 and "TORCH_VARIANT=cu128, but torch" in out.stderr
+    out, pip_calls = run_install_torch(tmp_path, "cuda", wheels)  # PyPI's own torch: a CUDA build
+    assert pip_calls.split() == ["install", f"torch=={pin}"]
+    if not torch_cuda:
+        assert out.returncode == 1 and "TORCH_VARIANT=cuda, but torch" in out.stderr
     # The GPU overlay expects exactly these images and build argument.
     gpu = ROOT / "deploy" / "k8s" / "overlays" / "gpu"
     overlay = "".join(p.read_text() for p in sorted(gpu.glob("*.yaml")))
