@@ -22,7 +22,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -79,7 +78,6 @@ class Procs:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from specd import model_store
-    from specd.chat import chat_prompt_ids  # noqa: F401  (the gateway applies the same template)
     from specd.up import drafters_registered, grpc_serving, http_ok
     from specd.workloads import workload
 

@@ -98,10 +98,8 @@ class DraftModelProposer:
             committed = len(seq) - len(out[seq.seq_id].token_ids)
             del seq.output_token_ids[len(seq.output_token_ids) - len(out[seq.seq_id].token_ids):]
             seq.num_computed_tokens = min(seq.num_computed_tokens, committed)
-            self.blocks.truncate(seq, seq.num_computed_tokens)
-        for seq, _ in active:  # a fork gives back its own blocks, never the shared ones
-            if seq.seq_id in forks:
-                self.blocks.truncate(seq, forks[seq.seq_id])
+            # a fork gives back its own blocks, never the shared ones
+            self.blocks.truncate(seq, forks.get(seq.seq_id, seq.num_computed_tokens))
         return [out[key] for key in keys]
 
     def _fork(self, req: ProposeRequest, fork_id: int, forks: dict[int, int]) -> Sequence | None:

@@ -22,7 +22,6 @@ The next real request brings the target's states, so the committed state is alwa
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -58,17 +57,17 @@ def record_alternatives(prop: Proposal, logits: torch.Tensor, token: int, req: P
 
 @dataclass
 class Branch:
-    """One outcome to draft ahead for: the request that would follow it, its estimated
-    probability, and how many leading drafts guess the outcome's own last token."""
+    """One outcome to draft ahead for: the (tentative) request that would follow it, and its
+    probability by the drafter's own estimate."""
 
     request: ProposeRequest
     prob: float
     guess_first: bool = False  # all drafts accepted: draft 1 guesses the bonus token
 
 
-def plan(req: ProposeRequest, prop: Proposal, k: int, max_branches: int) -> list[Branch]:
+def plan(req: ProposeRequest, prop: Proposal, max_branches: int) -> list[Branch]:
     """The likely outcomes of verifying prop (the answer to req), best first."""
-    drafts = prop.token_ids
+    drafts, k = prop.token_ids, req.k
     if not drafts or prop.draft_probs is None or prop.parents is not None:
         return []
     base = req.num_tokens
@@ -94,25 +93,19 @@ def _tentative(req: ProposeRequest, prop: Proposal, delta: list[int], base: int,
                    features=features, tentative=True)
 
 
-def _drop_first(prop: Proposal) -> Proposal:
-    """A bonus-guess branch's proposal without its first draft (the guess)."""
-    return replace(prop, token_ids=prop.token_ids[1:],
-                   q_ids=prop.q_ids[1:] if prop.q_ids is not None else None,
-                   q_probs=prop.q_probs[1:] if prop.q_probs is not None else None,
-                   draft_probs=prop.draft_probs[1:] if prop.draft_probs is not None else None,
-                   alternatives=prop.alternatives[1:] if prop.alternatives is not None else None,
-                   draft_features=prop.draft_features[1:] if prop.draft_features is not None else None)
+def _slice(prop: Proposal, start: int, end: int | None = None) -> Proposal:
+    """prop's drafts [start:end], with everything kept per draft (a bonus-guess branch drops its
+    first draft, the guess; a hit gives at most the k asked for)."""
+    def cut(xs):
+        return xs[start:end] if xs is not None else None
+
+    return replace(prop, token_ids=prop.token_ids[start:end], q_ids=cut(prop.q_ids), q_probs=cut(prop.q_probs),
+                   draft_probs=cut(prop.draft_probs), alternatives=cut(prop.alternatives),
+                   draft_features=cut(prop.draft_features))
 
 
-def _cut(prop: Proposal, k: int) -> Proposal:
-    if len(prop.token_ids) <= k:
-        return prop
-    return replace(prop, token_ids=prop.token_ids[:k],
-                   q_ids=prop.q_ids[:k] if prop.q_ids is not None else None,
-                   q_probs=prop.q_probs[:k] if prop.q_probs is not None else None,
-                   draft_probs=prop.draft_probs[:k] if prop.draft_probs is not None else None,
-                   alternatives=prop.alternatives[:k] if prop.alternatives is not None else None,
-                   draft_features=prop.draft_features[:k] if prop.draft_features is not None else None)
+def _ewma(old: float, new: float) -> float:
+    return new if old == 0.0 else 0.8 * old + 0.2 * new
 
 
 @dataclass
@@ -145,8 +138,8 @@ class PipelinedProposer:
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
         self.pending = []  # the verifier moved on: earlier guesses are moot
         if self._replied_at is not None:
-            gap = min(time.perf_counter() - self._replied_at, 1.0)  # an idle pause is not a verify step
-            self.gap_s = gap if self.gap_s == 0.0 else 0.8 * self.gap_s + 0.2 * gap
+            # an idle pause is not a verify step
+            self.gap_s = _ewma(self.gap_s, min(time.perf_counter() - self._replied_at, 1.0))
         out: dict[int, Proposal] = {}
         deltas, asked = [], []
         for req in batch:
@@ -158,14 +151,14 @@ class PipelinedProposer:
                 asked.append(replace(req, alternatives=self.alternatives))
             else:
                 self.hits += 1
-                out[req.seq_id] = replace(_cut(hit.proposal, req.k), cached=True)
+                out[req.seq_id] = replace(_slice(hit.proposal, 0, req.k), cached=True)
                 deltas.append(replace(req, k=0))  # the state follows the committed tokens
         for p in self.proposer.propose(deltas + asked):
             if p.seq_id not in out or p.resync:  # a hit whose delta did not apply: resync all the same
                 out[p.seq_id] = p
-        answered = [(r, out[r.seq_id]) for r in batch if r.k > 0]
-        for r, p in answered:
-            self.pending += plan(r, p, r.k, self.max_branches)
+        for r in batch:
+            if r.k > 0:
+                self.pending += plan(r, out[r.seq_id], self.max_branches)
         self.pending.sort(key=lambda b: -b.prob)
         self._replied_at = time.perf_counter()
         return [self._public(out[r.seq_id]) for r in batch]
@@ -206,7 +199,7 @@ class PipelinedProposer:
             for b, p in zip(round_, props):
                 if b.guess_first and p.token_ids:
                     guess = p.token_ids[0]
-                    p = _drop_first(p)
+                    p = _slice(p, 1)
                     req = replace(b.request, new_tokens=b.request.new_tokens + [guess],
                                   num_tokens=b.request.num_tokens + 1, k=b.request.k - 1)
                 else:
@@ -214,17 +207,13 @@ class PipelinedProposer:
                 if p.token_ids:
                     self.cache.setdefault(req.seq_id, []).append(_Entry(req, p))
                     done += 1
-            took = time.perf_counter() - started
-            self.round_s = took if self.round_s == 0.0 else 0.8 * self.round_s + 0.2 * took
+            self.round_s = _ewma(self.round_s, time.perf_counter() - started)
         self.predrafted += done
         return done
 
     def release(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
+        gone = set(seq_ids)
+        for sid in gone:
             self.cache.pop(sid, None)
-        self.pending = [b for b in self.pending if b.request.seq_id not in set(seq_ids)]
+        self.pending = [b for b in self.pending if b.request.seq_id not in gone]
         self.proposer.release(seq_ids)
-
-
-def hit_rate(hits: int, misses: int) -> float:
-    return hits / (hits + misses) if hits + misses else math.nan

@@ -12,11 +12,13 @@ Environment:
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +37,30 @@ MAX_TOKENS = 32
 def report(msg: str) -> None:
     """Progress and timings, in the test log (run with -s)."""
     print(f"[compose-test {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+OFFLINE_REFERENCE = """
+import json, sys
+import torch
+torch.set_num_threads(1)  # as the verifier containers (--threads 1)
+from specd import LLM, SamplingParams
+from specd.chat import chat_prompt_ids
+from specd.model_store import fetch
+llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
+prompts = [p if isinstance(p, str) else {"prompt_token_ids": chat_prompt_ids(llm.tokenizer, p)}
+           for p in json.loads(sys.argv[1])]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=int(sys.argv[2])))
+print(json.dumps([o.text for o in outs]))
+"""
+
+
+def offline_reference(prompts: list) -> list[str]:
+    """Greedy texts from the offline engine on the host (same weights, dtype, threads as the
+    stack): a str is a completion prompt, a list of messages a chat."""
+    out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compose_binaries() -> list[list[str]]:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, complete, compose_binaries,
-                           docker_client, make_secrets, openai_client, report, start_stack, wait)
+                           docker_client, make_secrets, offline_reference, openai_client, report, start_stack, wait)
 
 from specd import auth
 from specd.docker_swap import (drafter_command, health_command, next_name, register_request, secret_volumes,
@@ -464,26 +464,6 @@ def test_unpullable_profile_fails_alone(stack):
 def yaml_service(name: str) -> dict:
     yaml = pytest.importorskip("yaml")
     return yaml.safe_load(COMPOSE_FILE.read_text())["services"][name]
-
-
-OFFLINE_REFERENCE = """
-import json, sys
-import torch
-torch.set_num_threads(1)  # as the verifier container (--threads 1)
-from specd import LLM, SamplingParams
-from specd.model_store import fetch
-llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
-outs = llm.generate(json.loads(sys.argv[1]), SamplingParams(temperature=0, max_tokens=int(sys.argv[2])))
-print(json.dumps([o.text for o in outs]))
-"""
-
-
-def offline_reference(prompts: list[str]) -> list[str]:
-    """Greedy completions from the offline engine on the host: same weights, dtype, threads."""
-    out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.docker

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -29,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, make_secrets, openai_client, report,
-                           start_stack, wait)
+from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, make_secrets, offline_reference,
+                           openai_client, report, start_stack, wait)
 
 PROFILES = ["--profile", "ngram"]
 REPLICAS = 3
@@ -92,29 +91,6 @@ def test_certificate_names_the_verifier_service(tmp_path):
 # ---------------------------------------------------------------- the scaled stack
 
 
-OFFLINE_CHAT_REFERENCE = """
-import json, sys
-import torch
-torch.set_num_threads(1)  # as the verifier containers (--threads 1)
-from specd import LLM, SamplingParams
-from specd.chat import chat_prompt_ids
-from specd.model_store import fetch
-llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
-prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": q}])}
-           for q in json.loads(sys.argv[1])]
-outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=int(sys.argv[2])))
-print(json.dumps([o.text for o in outs]))
-"""
-
-
-def offline_chat_reference(questions: list[str]) -> list[str]:
-    """Greedy chat completions from the offline engine on the host: same weights, dtype, threads."""
-    out = subprocess.run([sys.executable, "-c", OFFLINE_CHAT_REFERENCE, json.dumps(questions), str(MAX_TOKENS)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 class StreamFailed(Exception):
     def __init__(self, cause: BaseException, text: str):
         super().__init__(f"{type(cause).__name__}: {cause} (after {len(text)} characters)")
@@ -174,7 +150,7 @@ def test_scaled_verifiers(scaled_stack):
            f"{time.monotonic() - t0:.1f} s later")
 
     t0 = time.monotonic()
-    reference = offline_chat_reference(QUESTIONS)
+    reference = offline_reference([[{"role": "user", "content": q}] for q in QUESTIONS])
     report(f"offline reference: {len(QUESTIONS)} greedy chat completions in {time.monotonic() - t0:.1f} s")
 
     client = openai_client(stack)

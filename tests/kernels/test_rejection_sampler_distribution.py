@@ -12,10 +12,10 @@ sparse top-K q that disagrees with p. Deliberately broken samplers must fail the
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from chi2 import chi2_critical
 
 from specd.engine.sampler import Sampler, SamplingMetadata, apply_sampling_filters, make_generator
 from specd.kernels import rejection_sampler as rs
@@ -23,17 +23,6 @@ from specd.sampling import SamplingParams
 
 TRIALS = 250_000
 VOCAB = 12
-FALSE_POSITIVE_RATE = 1e-6
-
-
-def chi2_critical(df: int, alpha: float = FALSE_POSITIVE_RATE) -> float:
-    """Upper alpha quantile of chi-square(df), Wilson–Hilferty; the normal quantile by bisection."""
-    lo, hi = 0.0, 10.0
-    for _ in range(100):
-        z = (lo + hi) / 2
-        lo, hi = (z, hi) if 0.5 * math.erfc(z / math.sqrt(2)) > alpha else (lo, z)
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * math.sqrt(c)) ** 3
 
 
 def chi2_statistic(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
