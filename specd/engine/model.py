@@ -20,6 +20,8 @@ from specd.engine.rotary import RotaryEmbedding, apply_rotary
 log = logging.getLogger(__name__)
 # Batch-invariant mode computes at most this many rows per matmul call (see linear._by_rows).
 INVARIANT_MAX_ROWS = 128
+# Outside batch-invariant mode, steps with longer queries (prefill) attend through SDPA.
+FUSED_ATTENTION_MAX_QUERY = 16
 
 
 class RMSNorm(nn.Module):
@@ -27,8 +29,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # kernels/cpu_bf16_ops.cpp (CausalLM.prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.specd_cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; same arithmetic order as below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as transformers does.
@@ -42,6 +47,7 @@ class Attention(nn.Module):
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale = window, self.d**-0.5
         self.invariant = False  # batch-invariant attention (CausalLM.prepare)
+        self.fused = False  # kernels/cpu_bf16_ops.cpp (CausalLM.prepare)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -50,6 +56,8 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(T, self.h + 2 * self.hkv, self.d)
+        if self.fused and self.q_norm is None and meta.token_seq is not None:
+            return self.o_proj.forward(self._fused_attention(qkv, cos_sin, kv_cache, meta).view(T, self.h * self.d))
         qk, v = qkv[:, : self.h + self.hkv], qkv[:, self.h + self.hkv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm.forward(qk[:, : self.h]), self.k_norm.forward(qk[:, self.h:])], dim=1)
@@ -61,14 +69,32 @@ class Attention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.invariant)
         return self.o_proj.forward(out.reshape(T, self.h * self.d))
 
+    def _fused_attention(self, qkv, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotary, KV write and paged attention as two fused CPU ops (same math as above, read
+        from the cache in place). Outside batch-invariant mode long prefills keep SDPA, which
+        is faster there; the fused op is exact whatever the step holds."""
+        k_cache, v_cache = kv_cache
+        q = torch.ops.specd_cpu.rotary_write_kv(qkv, self.h, *cos_sin, k_cache, v_cache, meta.slot_mapping)
+        if not self.invariant and meta.max_query_len > FUSED_ATTENTION_MAX_QUERY:
+            return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, False)
+        key_index = None
+        if meta.tree_base is not None:
+            rows = meta.compact_keys(self.window)[0].flatten(0, 1)  # [B * Q, C]
+            key_index = rows if meta.query_index is None else rows.index_select(0, meta.query_index)
+        return torch.ops.specd_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
+                                                   meta.token_pos, key_index, self.scale, self.window or 0)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fused = False  # kernels/cpu_bf16_ops.cpp (CausalLM.prepare)
 
     def forward(self, x):
+        if self.fused:
+            return self.down_proj.forward(torch.ops.specd_cpu.silu_mul(self.gate_up_proj.forward(x)))
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
@@ -84,6 +110,11 @@ class DecoderLayer(nn.Module):
     # Submodules are called through .forward: nn.Module.__call__ costs microseconds
     # per call, which adds up at batch-1 decode on CPU.
     def forward(self, x, cos_sin, kv_cache, meta):
+        if self.post_attention_layernorm.fused:  # the residual add and the norm in one op
+            a = self.self_attn.forward(self.input_layernorm.forward(x), cos_sin, kv_cache, meta)
+            x, y = torch.ops.specd_cpu.add_rms_norm(a, x, self.post_attention_layernorm.weight,
+                                                    self.post_attention_layernorm.eps)
+            return x + self.mlp.forward(y)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos_sin, kv_cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
@@ -123,9 +154,13 @@ class CausalLM(nn.Module):
         max_rows = INVARIANT_MAX_ROWS if batch_invariant else None
         self.head = fast_linear(weight, max_rows=max_rows)
         adopt_linears(self.model, max_rows)
+        fused = self.use_fused_ops(weight.device, weight.dtype)
         if batch_invariant:
-            failures = (row_invariance_failures(self, max_rows)
-                        + attention_invariance_failures(weight.device, weight.dtype))
+            # The fused ops are row-local with one reduction order by construction
+            # (tests/kernels/test_cpu_bf16_ops.py); SDPA's replacement is checked here.
+            failures = row_invariance_failures(self, max_rows)
+            if not fused:
+                failures += attention_invariance_failures(weight.device, weight.dtype)
             if failures:
                 # float32 kernels (MKL) fail here too, but their rounding rarely flips a token:
                 # worth a warning only in 16-bit, where it does (bench/results/exact_bf16.md).
@@ -136,6 +171,17 @@ class CausalLM(nn.Module):
                 return False
         self.set_batch_invariant(batch_invariant)
         return batch_invariant
+
+    def use_fused_ops(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Route norms, rotary + KV write, attention and SiLU through kernels/cpu_bf16_ops.cpp
+        (CPU, bfloat16, where it builds): measured 26.5 -> see bench/results/engine_real.md."""
+        from specd.kernels import cpu_ops
+
+        on = device.type == "cpu" and dtype == torch.bfloat16 and cpu_ops.available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = on
+        return on
 
     def set_batch_invariant(self, on: bool) -> None:
         for module in self.modules():

@@ -1,0 +1,331 @@
+// Fused bfloat16 CPU ops for the decoder layer's small steps (kernels/cpu_ops.py builds and loads them).
+//
+// Why: at batch-1 decode on a 2-core CPU, SmolLM2-135M's matmuls take ~16 ms a token and the
+// ~40 small torch ops per layer around them (norm, rotary, KV write, attention, SiLU) another
+// ~10 ms, mostly per-op dispatch. Each op here replaces several of them.
+//
+// Every op is row-local with one fixed reduction order per output element, whatever the number of
+// rows: a token's result is the same alone, in a verify block or in a batch (batch-invariant mode).
+// Reductions use 16 partial sums (lane l takes elements l, l + 16, ...) folded in a fixed order:
+// the compiler can vectorise that without reassociating anything.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int L = 16;
+
+inline float f32(bf16 v) { return static_cast<float>(v); }
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+inline float fold(float* part) {
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+inline float sum_squares(const bf16* x, int64_t n) {
+  float part[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int l = 0; l < L; ++l) part[l] += f32(x[i + l]) * f32(x[i + l]);
+  for (int l = 0; i + l < n; ++l) part[l] += f32(x[i + l]) * f32(x[i + l]);
+  return fold(part);
+}
+
+inline __m512 load16(const bf16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// sum_i a[i] * b[i]: 16 partial sums (lane l takes i = l, l + 16, ...), then a fixed reduction tree.
+inline float dot(const bf16* a, const float* b, int64_t n) {
+  __m512 part = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) part = _mm512_fmadd_ps(load16(a + i, 0xFFFF), _mm512_loadu_ps(b + i), part);
+  if (i < n) {
+    const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+    part = _mm512_fmadd_ps(load16(a + i, mask), _mm512_maskz_loadu_ps(mask, b + i), part);
+  }
+  return _mm512_reduce_add_ps(part);
+}
+
+// exp(x) from arithmetic and bit operations only, so loops over it vectorise (std::exp does not,
+// here): x = n ln2 + r, |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error
+// under 2e-7), times 2^n through the exponent bits.
+inline float vexp(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a CPU bfloat16 tensor");
+}
+
+// transformers' LlamaRMSNorm in bf16: normalise in fp32, round to bf16, then times the bf16 weight.
+void norm_row(const bf16* x, const bf16* w, bf16* y, int64_t n, double eps) {
+  const float r = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16(f32(w[i]) * round_bf16(f32(x[i]) * r));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  const int64_t n = x.size(-1);
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const bf16 *xp = xc.data_ptr<bf16>(), *wp = wc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * n, wp, yp + r * n, n, eps);
+  });
+  return y;
+}
+
+// (h, norm(h)) with h = x + residual rounded to bf16: the residual add and the next layer norm in one op.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(residual, "residual");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  const int64_t n = x.size(-1);
+  auto xc = x.contiguous();
+  auto rc = residual.contiguous();
+  auto wc = weight.contiguous();
+  auto h = at::empty_like(xc);
+  auto y = at::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const bf16 *xp = xc.data_ptr<bf16>(), *rp = rc.data_ptr<bf16>(), *wp = wc.data_ptr<bf16>();
+  bf16 *hp = h.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < n; ++i) hp[r * n + i] = bf16(f32(xp[r * n + i]) + f32(rp[r * n + i]));
+      norm_row(hp + r * n, wp, yp + r * n, n, eps);
+    }
+  });
+  return {h, y};
+}
+
+// silu(gate) * up with gate_up = [gate | up] on the last dim; each product rounded as torch does.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_bf16(gate_up, "gate_up");
+  const int64_t n2 = gate_up.size(-1), n = n2 / 2;
+  TORCH_CHECK(n2 % 2 == 0, "gate_up's last dim must be even");
+  auto gc = gate_up.contiguous();
+  auto shape = gc.sizes().vec();
+  shape.back() = n;
+  auto y = at::empty(shape, gc.options());
+  const int64_t rows = gc.numel() / n2;
+  const bf16* gp = gc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = f32(gp[r * n2 + i]);
+        yp[r * n + i] = bf16(round_bf16(g / (1.0f + vexp(-g))) * f32(gp[r * n2 + n + i]));
+      }
+  });
+  return y;
+}
+
+// Rotary embedding (rotate-half, as transformers' Llama) of q and k in qkv [T, H + 2 Hkv, D], with
+// torch's bf16 rounding of x*cos, rotated*sin and their sum; k and v are written to the paged
+// cache [blocks, block_size, Hkv, D] at slots [T]. Returns the rotated q [T, H, D].
+at::Tensor rotary_write_kv(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  check_bf16(qkv, "qkv");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const int64_t T = qkv.size(0), D = qkv.size(2), hkv = k_cache.size(2), half = D / 2;
+  TORCH_CHECK(qkv.size(1) == num_heads + 2 * hkv && k_cache.size(3) == D, "qkv does not match the cache's heads");
+  auto qc = qkv.contiguous();
+  auto cc = cos.reshape({T, D}).contiguous();
+  auto sc = sin.reshape({T, D}).contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
+  auto q = at::empty({T, num_heads, D}, qkv.options());
+  const bf16 *xp = qc.data_ptr<bf16>(), *cp = cc.data_ptr<bf16>(), *sp = sc.data_ptr<bf16>();
+  bf16 *qp = q.data_ptr<bf16>(), *kp = k_cache.data_ptr<bf16>(), *vp = v_cache.data_ptr<bf16>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const int64_t width = num_heads + 2 * hkv, cache_slots = k_cache.numel() / (hkv * D);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slp[t] >= 0 && slp[t] < cache_slots, "cache slot ", slp[t], " out of range");
+  at::parallel_for(0, T * (num_heads + hkv), 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / (num_heads + hkv), h = i % (num_heads + hkv);
+      const bf16* x = xp + (t * width + h) * D;
+      const bf16 *c = cp + t * D, *s = sp + t * D;
+      bf16* out = h < num_heads ? qp + (t * num_heads + h) * D : kp + (slp[t] * hkv + h - num_heads) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float rot = d < half ? -f32(x[d + half]) : f32(x[d - half]);
+        out[d] = bf16(round_bf16(f32(x[d]) * f32(c[d])) + round_bf16(rot * f32(s[d])));
+      }
+      if (h >= num_heads) {
+        const bf16* v = xp + (t * width + h + hkv) * D;
+        std::copy(v, v + D, vp + (slp[t] * hkv + h - num_heads) * D);
+      }
+    }
+  });
+  return q;
+}
+
+// One query row of one head over n keys at cache rows `rows` (head dim 16 * C), with q and the
+// output accumulator in registers; the same arithmetic, in the same order, as the generic loop.
+template <int C>
+inline void attend_row(const float* qf, const bf16* kh, const bf16* vh, const int64_t* rows, int64_t n, float scale,
+                       float* scores, float* out) {
+  constexpr int64_t D = 16 * C;
+  __m512 q[C];
+  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* k = kh + rows[j] * D;
+    __m512 part = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) part = _mm512_fmadd_ps(load16(k + 16 * c, 0xFFFF), q[c], part);
+    scores[j] = _mm512_reduce_add_ps(part) * scale;
+    mx = std::max(mx, scores[j]);
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < n; ++j) scores[j] = vexp(scores[j] - mx);
+  for (int64_t j = 0; j < n; ++j) total += scores[j];
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* v = vh + rows[j] * D;
+    const __m512 p = _mm512_set1_ps(scores[j] / total);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * c, 0xFFFF), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+// Attention of each new token over its keys in the paged cache, read in place through the block table.
+// Token t (of batch row seq[t]) attends the keys at key positions kpos(c) for c in [lo, pos[t]],
+// lo = max(0, pos[t] - window + 1); kpos(c) = c, or key_index[t, c] for token-tree rows (their context
+// then their ancestors, the layout a plain decode of the token sees). Scores, softmax and the
+// weighted sum of V run in float32 in that key order: the same bits for a token alone or in any step.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& pos,
+                           const c10::optional<at::Tensor>& key_index, double scale, int64_t window) {
+  check_bf16(q, "q");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), hkv = k_cache.size(2), group = H / hkv;
+  TORCH_CHECK(H % hkv == 0 && k_cache.size(3) == D, "q does not match the cache's heads");
+  auto qc = q.contiguous();
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto sq = seq.to(at::kLong).contiguous();
+  auto ps = pos.to(at::kLong).contiguous();
+  at::Tensor ki;
+  const int64_t* kip = nullptr;
+  int64_t ki_width = 0;
+  if (key_index.has_value() && key_index->defined()) {
+    ki = key_index->to(at::kLong).contiguous();
+    kip = ki.data_ptr<int64_t>();
+    ki_width = ki.size(1);
+  }
+  const int64_t width = bt.size(1), blocks = k_cache.size(0);
+  const int64_t *btp = bt.data_ptr<int64_t>(), *sqp = sq.data_ptr<int64_t>(), *psp = ps.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(psp[t] >= 0 && (kip ? psp[t] < ki_width : psp[t] < width * bs), "key position out of range");
+    TORCH_CHECK(sqp[t] >= 0 && sqp[t] < bt.size(0), "batch row out of range");
+  }
+  auto out = at::empty_like(qc);
+  const bf16 *qp = qc.data_ptr<bf16>(), *kp = k_cache.data_ptr<bf16>(), *vp = v_cache.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(D), acc(D), scores;
+    std::vector<int64_t> rows;  // cache row (slot * Hkv) of each key of token `last`
+    int64_t last = -1, lo = 0, n = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, g = h / group;
+      if (t != last) {  // the keys' places are the same for every head of a token
+        const int64_t hi = psp[t];
+        lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
+        n = hi - lo + 1;
+        rows.resize(n);
+        scores.resize(n);
+        for (int64_t c = lo; c <= hi; ++c) {
+          const int64_t key = kip ? kip[t * ki_width + c] : c;
+          const int64_t block = key >= 0 && key < width * bs ? btp[sqp[t] * width + key / bs] : -1;
+          TORCH_CHECK(block >= 0 && block < blocks, "key outside the cache");
+          rows[c - lo] = (block * bs + key % bs) * hkv;
+        }
+        last = t;
+      }
+      for (int64_t d = 0; d < D; ++d) qf[d] = f32(qp[i * D + d]);
+      const bf16* kh = kp + g * D;
+      const bf16* vh = vp + g * D;
+      if (D == 64) {
+        attend_row<4>(qf.data(), kh, vh, rows.data(), n, static_cast<float>(scale), scores.data(), acc.data());
+      } else if (D == 128) {
+        attend_row<8>(qf.data(), kh, vh, rows.data(), n, static_cast<float>(scale), scores.data(), acc.data());
+      } else {
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = dot(kh + rows[j] * D, qf.data(), D) * static_cast<float>(scale);
+          mx = std::max(mx, scores[j]);
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; ++j) scores[j] = vexp(scores[j] - mx);
+        for (int64_t j = 0; j < n; ++j) total += scores[j];
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          const bf16* v = vh + rows[j] * D;
+          const __m512 p = _mm512_set1_ps(scores[j] / total);
+          for (int64_t d = 0; d < D; d += L) {
+            const __mmask16 mask = D - d >= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+            _mm512_mask_storeu_ps(acc.data() + d, mask,
+                                  _mm512_fmadd_ps(p, load16(v + d, mask), _mm512_maskz_loadu_ps(mask, acc.data() + d)));
+          }
+        }
+      }
+      for (int64_t d = 0; d < D; ++d) op[i * D + d] = bf16(acc[d]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specd_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_write_kv(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, "
+        "Tensor pos, Tensor? key_index, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specd_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_write_kv", &rotary_write_kv);
+  m.impl("paged_attention", &paged_attention);
+}

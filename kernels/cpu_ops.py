@@ -1,0 +1,62 @@
+"""Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu).
+
+Compiled once per machine with the C++ compiler torch's extension loader finds, into
+$SPECD_CACHE/torch_extensions; later loads take a second. Where that fails (no compiler, no
+ninja, not Linux on x86-64 with AVX-512) `available()` is False and the engine keeps its torch
+path, logging why once. SPECD_CPU_KERNELS=0 turns the ops off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_bf16_ops.cpp")
+_state: dict = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    from specd.cache import cache_root
+
+    build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # The ops are plain C++ the compiler vectorises; AVX-512 widens its vectors to 16 floats.
+    load(name="specd_cpu_bf16_ops", sources=[str(SOURCE)], build_directory=str(build_dir),
+         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl"], is_python_module=False, verbose=False)
+
+
+def available() -> bool:
+    """Whether torch.ops.specd_cpu is loaded (building it on first use)."""
+    if "ok" not in _state:
+        why = None
+        if os.environ.get("SPECD_CPU_KERNELS", "1") == "0":
+            why = "SPECD_CPU_KERNELS=0"
+        elif platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+            why = f"built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
+        elif not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
+            why = "this CPU has no AVX-512"
+        else:
+            try:
+                _build()
+            except Exception as e:  # a missing compiler or ninja surfaces as various errors
+                why = f"building {SOURCE.name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
+        _state["ok"] = why is None
+        if why:
+            log.warning("fused bfloat16 CPU ops off (%s); decode uses the slower torch path", why)
+    return _state["ok"]
