@@ -7,7 +7,7 @@ On the default target (SmolLM2-135M-Instruct) in bfloat16 with batch-invariant m
 default): the reference is plain decoding of each held-out chat prompt alone (batch 1). Then,
 token for token against it: plain decoding in mixed batches of 16 (prompts of different
 lengths, so prefill and decode rows share steps), and each method (ngram, suffix, draft_model
-with the trained drafter, k = 4) at batch 1 and in mixed batches of 16. The same comparison
+with the trained drafter, eagle with the committed EAGLE head, k = 4) at batch 1 and in mixed batches of 16. The same comparison
 with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
 runs, batch 1 and 16 (decode tok/s = tokens / (t(n) - t(1)) as in bench/engine.py).
 
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle")
+EAGLE_HEAD = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
 
 
 def parse_args(argv=None):
@@ -49,6 +50,9 @@ def spec_config(method: str) -> dict:
     from specd import model_store
 
     cfg = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "eagle":  # the committed EAGLE head, reading the target's hidden states
+        return {**cfg, "model": str(EAGLE_HEAD), "target_model": str(model_store.target_dir()),
+                "draft_dtype": "bfloat16"}
     return {**cfg, "model": str(model_store.drafter_dir()), "draft_dtype": "bfloat16"} if method == "draft_model" else cfg
 
 

@@ -173,7 +173,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, int64_t num_heads, const at::T
   const int64_t width = num_heads + 2 * hkv, cache_slots = k_cache.numel() / (hkv * D);
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slp[t] >= 0 && slp[t] < cache_slots, "cache slot ", slp[t], " out of range");
-  at::parallel_for(0, T * (num_heads + hkv), 8, [&](int64_t i0, int64_t i1) {
+  // 64: a decode token's dozen heads are too little work to wake a second thread for.
+  at::parallel_for(0, T * (num_heads + hkv), 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / (num_heads + hkv), h = i % (num_heads + hkv);
       const bf16* x = xp + (t * width + h) * D;

@@ -109,12 +109,15 @@ class DecoderLayer(nn.Module):
 
     # Submodules are called through .forward: nn.Module.__call__ costs microseconds
     # per call, which adds up at batch-1 decode on CPU.
+    def forward_fused(self, x, y, cos_sin, kv_cache, meta):
+        """With the fused CPU ops: x the residual stream, y = input_layernorm(x) -> (the stream after
+        attention, the MLP's output), left unadded: the next layer adds them inside its norm op."""
+        a = self.self_attn.forward(y, cos_sin, kv_cache, meta)
+        x, y = torch.ops.specd_cpu.add_rms_norm(a, x, self.post_attention_layernorm.weight,
+                                                self.post_attention_layernorm.eps)
+        return x, self.mlp.forward(y)
+
     def forward(self, x, cos_sin, kv_cache, meta):
-        if self.post_attention_layernorm.fused:  # the residual add and the norm in one op
-            a = self.self_attn.forward(self.input_layernorm.forward(x), cos_sin, kv_cache, meta)
-            x, y = torch.ops.specd_cpu.add_rms_norm(a, x, self.post_attention_layernorm.weight,
-                                                    self.post_attention_layernorm.eps)
-            return x + self.mlp.forward(y)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos_sin, kv_cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
@@ -207,10 +210,20 @@ class CausalLM(nn.Module):
         cos_sin = self.rotary(positions)  # once per step, shared by all layers
         L = len(self.model.layers)
         captured = {}
+        fused, mlp_out = self.model.norm.fused, None
         for j, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            if fused:  # the previous layer's residual add happens in this layer's norm op
+                norm = layer.input_layernorm
+                x, y = (x, norm.forward(x)) if mlp_out is None else \
+                    torch.ops.specd_cpu.add_rms_norm(mlp_out, x, norm.weight, norm.eps)
             if j in capture:
                 captured[j] = x
-            x = layer.forward(x, cos_sin, kv, meta)
+            if fused:
+                x, mlp_out = layer.forward_fused(x, y, cos_sin, kv, meta)
+            else:
+                x = layer.forward(x, cos_sin, kv, meta)
+        if mlp_out is not None:
+            x = x + mlp_out
         if L in capture:
             x = self.model.norm.forward(x)
             captured[L] = x
