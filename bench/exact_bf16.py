@@ -7,8 +7,8 @@ On the default target (SmolLM2-135M-Instruct) in bfloat16 with batch-invariant m
 default): the reference is plain decoding of each held-out chat prompt alone (batch 1). Then,
 token for token against it: plain decoding in mixed batches of 16 (prompts of different
 lengths, so prefill and decode rows share steps), and each method (ngram, suffix, draft_model
-with the trained drafter, eagle with the committed EAGLE head, k = 4) at batch 1 and in mixed batches of 16. The same comparison
-with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
+with the trained drafter, eagle with the committed EAGLE head, k = 4) at batch 1 and in mixed
+batches of 16. The same comparison with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
 runs, batch 1 and 16 (decode tok/s = tokens / (t(n) - t(1)) as in bench/engine.py).
 
 Writes bench/results/exact_bf16.{md,json}.

@@ -193,6 +193,14 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, int64_t num_heads, const at::T
   return q;
 }
 
+// scores[j] = exp(scores[j] - mx) in place; returns their sum, added in key order.
+inline float exp_and_sum(float* scores, int64_t n, float mx) {
+  for (int64_t j = 0; j < n; ++j) scores[j] = vexp(scores[j] - mx);
+  float total = 0.0f;
+  for (int64_t j = 0; j < n; ++j) total += scores[j];
+  return total;
+}
+
 // One query row of one head over n keys at cache rows `rows` (head dim 16 * C), with q and the
 // output accumulator in registers; the same arithmetic, in the same order, as the generic loop.
 template <int C>
@@ -209,9 +217,7 @@ inline void attend_row(const float* qf, const bf16* kh, const bf16* vh, const in
     scores[j] = _mm512_reduce_add_ps(part) * scale;
     mx = std::max(mx, scores[j]);
   }
-  float total = 0.0f;
-  for (int64_t j = 0; j < n; ++j) scores[j] = vexp(scores[j] - mx);
-  for (int64_t j = 0; j < n; ++j) total += scores[j];
+  const float total = exp_and_sum(scores, n, mx);
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
@@ -291,9 +297,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           scores[j] = dot(kh + rows[j] * D, qf.data(), D) * static_cast<float>(scale);
           mx = std::max(mx, scores[j]);
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; ++j) scores[j] = vexp(scores[j] - mx);
-        for (int64_t j = 0; j < n; ++j) total += scores[j];
+        const float total = exp_and_sum(scores.data(), n, mx);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t j = 0; j < n; ++j) {
           const bf16* v = vh + rows[j] * D;

@@ -7,6 +7,7 @@ path, logging why once. SPECD_CPU_KERNELS=0 turns the ops off.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -16,7 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_bf16_ops.cpp")
-_state: dict = {}
+REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # what the -m flags below let the compiler use
 
 
 def _cpu_flags() -> set[str]:
@@ -38,25 +39,27 @@ def _build() -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     # The ops are plain C++ the compiler vectorises; AVX-512 widens its vectors to 16 floats.
     load(name="specd_cpu_bf16_ops", sources=[str(SOURCE)], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl"], is_python_module=False, verbose=False)
+         extra_cflags=["-O3"] + [f"-m{flag}" for flag in sorted(REQUIRED_FLAGS)], is_python_module=False, verbose=False)
 
 
+def cpu_supported() -> bool:
+    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+            and REQUIRED_FLAGS <= _cpu_flags())
+
+
+@functools.cache
 def available() -> bool:
     """Whether torch.ops.specd_cpu is loaded (building it on first use)."""
-    if "ok" not in _state:
-        why = None
-        if os.environ.get("SPECD_CPU_KERNELS", "1") == "0":
-            why = "SPECD_CPU_KERNELS=0"
-        elif platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-            why = f"built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
-        elif not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
-            why = "this CPU has no AVX-512"
-        else:
-            try:
-                _build()
-            except Exception as e:  # a missing compiler or ninja surfaces as various errors
-                why = f"building {SOURCE.name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
-        _state["ok"] = why is None
-        if why:
-            log.warning("fused bfloat16 CPU ops off (%s); decode uses the slower torch path", why)
-    return _state["ok"]
+    why = None
+    if os.environ.get("SPECD_CPU_KERNELS", "1") == "0":
+        why = "SPECD_CPU_KERNELS=0"
+    elif not cpu_supported():
+        why = f"built for Linux x86-64 with AVX-512 only (this is {platform.system()} {platform.machine()})"
+    else:
+        try:
+            _build()
+        except Exception as e:  # a missing compiler or ninja surfaces as various errors
+            why = f"building {SOURCE.name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
+    if why:
+        log.warning("fused bfloat16 CPU ops off (%s); decode uses the slower torch path", why)
+    return why is None

@@ -40,7 +40,7 @@ class AttentionMetadata:
     tree_anc: torch.Tensor | None = None  # [B, Q, A] bool: query row sees tree token a
     tree_path: torch.Tensor | None = None  # [B, Q, A] int64: key index of the row's ancestor at depth t (0 padded)
     tree_pos_2d: torch.Tensor | None = None  # [B, Q] RoPE position of each padded query row
-    _masks: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)  # per step: mask() and compact_keys() by window
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[B, 1, Q, C] boolean (True = attend), built once per window per step."""
@@ -74,7 +74,12 @@ class AttentionMetadata:
         the layout a plain decode of that token would see (context, then its ancestors at
         consecutive positions) -> (key_index [B, Q, C] int64, mask [B, Q, C] bool). Masking the
         off-path keys in place would leave exact zeros between the terms of the row's reductions,
-        which regroups their sums: not the plain bits."""
+        which regroups their sums: not the plain bits. Built once per window per step."""
+        if ("compact", window) not in self._masks:
+            self._masks["compact", window] = self._compact_keys(window)
+        return self._masks["compact", window]
+
+    def _compact_keys(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.block_tables.device
         keys = torch.arange(self.max_context_len, device=device)  # [C]
         ctx = torch.tensor(self.context_lens, device=device)  # [B]
