@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.engine.attention import AttentionMetadata, attention_invariance_failures, paged_attention, write_kv
-from specd.engine.linear import adopt_linears, fast_linear, row_invariance_failures
+from specd.engine.linear import PrepackedLinear, adopt_linears, fast_linear, row_invariance_failures
 from specd.engine.model_config import ModelArchConfig
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
@@ -75,14 +75,21 @@ class Attention(nn.Module):
         is faster there; the fused op is exact whatever the step holds."""
         k_cache, v_cache = kv_cache
         q = torch.ops.specd_cpu.rotary_write_kv(qkv, self.h, *cos_sin, k_cache, v_cache, meta.slot_mapping)
-        if not self.invariant and meta.max_query_len > FUSED_ATTENTION_MAX_QUERY:
+        if not self.fused_attention_applies(meta):
             return paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, False)
-        key_index = None
-        if meta.tree_base is not None:
-            rows = meta.compact_keys(self.window)[0].flatten(0, 1)  # [B * Q, C]
-            key_index = rows if meta.query_index is None else rows.index_select(0, meta.query_index)
         return torch.ops.specd_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
-                                                   meta.token_pos, key_index, self.scale, self.window or 0)
+                                                   meta.token_pos, self.key_index(meta), self.scale, self.window or 0)
+
+    def fused_attention_applies(self, meta: AttentionMetadata) -> bool:
+        return self.invariant or meta.max_query_len <= FUSED_ATTENTION_MAX_QUERY
+
+    def key_index(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Tree steps: each row's keys in the order a plain decode would see them (the fused op's
+        key_index); None otherwise."""
+        if meta.tree_base is None:
+            return None
+        rows = meta.compact_keys(self.window)[0].flatten(0, 1)  # [B * Q, C]
+        return rows if meta.query_index is None else rows.index_select(0, meta.query_index)
 
 
 class MLP(nn.Module):
@@ -143,6 +150,9 @@ class CausalLM(nn.Module):
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
         self.fingerprint = ""  # of the loaded weights (specd/engine/fingerprint.py), set by the loader
+        # All layers in one fused op (torch.ops.specd_cpu.decoder_stack), where it applies: its
+        # per-layer weights and biases, built by prepare().
+        self.stack: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> bool:
         """After the weights are loaded: pick the matmul path (specd/engine/linear.py), build the
@@ -158,6 +168,7 @@ class CausalLM(nn.Module):
         self.head = fast_linear(weight, max_rows=max_rows)
         adopt_linears(self.model, max_rows)
         fused = self.use_fused_ops(weight.device, weight.dtype)
+        self.stack = self.stack_tensors() if fused else None
         if batch_invariant:
             # The fused ops are row-local with one reduction order by construction
             # (tests/kernels/test_cpu_bf16_ops.py); SDPA's replacement is checked here.
@@ -187,6 +198,22 @@ class CausalLM(nn.Module):
                 module.fused = on
         return on
 
+    def stack_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+        """decoder_stack's per-layer weights (norms and prepacked matmuls) and biases, or None where
+        it does not apply: q/k norms, a matmul not prepacked, or windows that differ by layer."""
+        layers = self.model.layers
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if (layers[0].self_attn.q_norm is not None or not all(isinstance(m, PrepackedLinear) for m in linears)
+                or len({layer.self_attn.window for layer in layers}) != 1):
+            return None
+        weights = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.o_proj.packed,
+                        layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
+        return weights, [m.bias for m in linears]
+
     def set_batch_invariant(self, on: bool) -> None:
         for module in self.modules():
             if isinstance(module, Attention):
@@ -212,6 +239,17 @@ class CausalLM(nn.Module):
         L = len(self.model.layers)
         captured = {}
         fused, mlp_out = self.model.norm.fused, None
+        first = self.model.layers[0]
+        if (self.stack is not None and set(capture) <= {L} and meta.token_seq is not None
+                and first.self_attn.fused_attention_applies(meta)
+                and (first.self_attn.qkv_proj.max_rows is None or x.shape[0] <= first.self_attn.qkv_proj.max_rows)):
+            # Every layer in one C++ call; the loop below computes the same, op by op.
+            attn = first.self_attn
+            x, mlp_out = torch.ops.specd_cpu.decoder_stack(
+                x, *self.stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], *cos_sin,
+                meta.slot_mapping, meta.block_tables, meta.token_seq, meta.token_pos, attn.key_index(meta),
+                attn.h, attn.d, attn.scale, attn.window or 0, first.input_layernorm.eps)
+            kv_caches = []  # done
         for j, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             if fused:  # the previous layer's residual add happens in this layer's norm op
                 norm = layer.input_layernorm
