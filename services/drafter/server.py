@@ -166,7 +166,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         out.proposals.add(seq_id=entry.seq_id, resync=i in unknown)
                         continue
                     msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync,
-                                            cached=p.cached)
+                                            cached=p.cached, parents=p.parents or [])
                     for ids, probs in zip(p.q_ids or [], p.q_probs or []):
                         msg.q.add(ids=ids, probs=probs)
                 num_drafts = sum(len(p.token_ids) for p in proposals)

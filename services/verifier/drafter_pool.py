@@ -32,6 +32,9 @@ DEFAULT_PROPOSE_TIMEOUT_S = 0.25
 LOOPBACK = ["127.*:*", "localhost:*", "::1:*"]
 # The widest sparse q a drafter may send per draft (draft_model sends its draft top-k, 16 by default).
 MAX_Q_WIDTH = 256
+# The most nodes a drafter's tree may carry on the wire (TreeConfig's bound); the speculator then
+# keeps those within the verifier's own tree budget and depth k.
+MAX_TREE_NODES = 256
 
 
 class DrafterPool:
@@ -248,17 +251,17 @@ class DrafterPool:
 
     def _checked(self, client: DrafterClient, requests: list[ProposeRequest], reply) -> list[Proposal]:
         """The reply within the protocol's bounds, looked at through len() before anything is
-        copied: one proposal per sequence asked, at most its k drafts, q (if any) one row per
-        draft, each at most MAX_Q_WIDTH wide. A proposal out of bounds is dropped (a violation);
+        copied: one proposal per sequence asked, at most its k drafts (a tree: MAX_TREE_NODES
+        nodes, one parent each), q (if any) one row per draft, each at most MAX_Q_WIDTH wide. A proposal out of bounds is dropped (a violation);
         ids and q values are checked by the speculator. An untrusted drafter's q is dropped
         unread: its drafts are verified as one-hot, which is exact whoever chose them."""
         asked = {r.seq_id: min(r.k, client.max_k) for r in requests}
         out, seen, violations = [], set(), 0
         for p in reply.proposals:
             k = asked.get(p.seq_id)
-            n = len(p.token_ids)
-            if k is None or p.seq_id in seen or n > k or (len(p.q) and len(p.q) != n) or (
-                    client.trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)):
+            n, tree = len(p.token_ids), len(p.parents) > 0
+            if k is None or p.seq_id in seen or n > (MAX_TREE_NODES if tree else k) or (tree and len(p.parents) != n) or (
+                    len(p.q) and len(p.q) != n) or (client.trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)):
                 violations += 1
                 continue
             seen.add(p.seq_id)
@@ -266,6 +269,7 @@ class DrafterPool:
             out.append(Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
                                 q_ids=[list(d.ids) for d in p.q] if use_q else None,
                                 q_probs=[list(d.probs) for d in p.q] if use_q else None,
+                                parents=list(p.parents) if tree else None,
                                 resync=p.resync, drafter=client.name, cached=p.cached))
         if violations:
             client.violations += violations

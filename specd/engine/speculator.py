@@ -12,7 +12,7 @@ import math
 import time
 from collections import defaultdict
 
-from specd.config import SpeculativeConfig
+from specd.config import SpeculativeConfig, TreeConfig
 from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
@@ -25,8 +25,10 @@ class Speculator:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
-        # The most tree nodes one sequence may send (a chain's bound is k).
-        self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else 0
+        # The most tree nodes one sequence may send (a chain's bound is k). Drafter services
+        # (method None) may send trees within the default budget unless the config sets one.
+        self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else (
+            TreeConfig.model_fields["max_nodes"].default if config.method is None else 0)
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
@@ -130,8 +132,8 @@ class Speculator:
         before it and a depth of at most k (k + 1 tokens may commit); a prefix of a tree whose
         parents point backwards is a tree. -> (drafts, q, parents or None for a chain)."""
         parents = p.parents
-        if parents is not None and not self.max_tree_nodes:
-            return [], None, None  # this engine verifies chains only
+        if parents is not None and (not self.max_tree_nodes or self.lossy):
+            return [], None, None  # this engine verifies chains only (lossy acceptance: chains only)
         drafts, depth = [], []
         limit = k if parents is None else min(self.max_tree_nodes, len(parents))
         for i, t in enumerate(p.token_ids[:limit]):
