@@ -54,6 +54,10 @@ class TreeConfig(BaseModel):
 
     branching: list[int] = Field(min_length=1, max_length=32)
     max_nodes: int = Field(default=32, ge=1, le=256)
+    # draft_model with greedy drafts: EAGLE-2's dynamic trees. At depth d the branching[d]
+    # most probable nodes of the newest depth (by the drafter's path probability) are expanded,
+    # each into its top branching[d] tokens; the max_nodes most probable nodes are sent.
+    dynamic: bool = False
 
     def model_post_init(self, _context) -> None:
         if any(not 1 <= b <= 16 for b in self.branching):
@@ -110,6 +114,9 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("rejection_sample_method 'synthetic' needs synthetic_acceptance_rate")
         if self.tree is not None and self.method not in ("draft_model", "ngram"):
             raise ValueError(f"'tree' is supported by methods draft_model and ngram, not {self.method!r}")
+        if self.tree is not None and self.tree.dynamic and (
+                self.method != "draft_model" or self.draft_sample_method != "greedy"):
+            raise ValueError("dynamic trees are built by method 'draft_model' with greedy drafts only")
         if self.tree is not None and self.rejection_sample_method != "strict":
             raise ValueError("token trees are verified with rejection_sample_method 'strict' only")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -16,6 +16,12 @@ catch-up forward gives the root's b1 children (its top-b1 tokens, or b1 draws wi
 replacement); each next forward runs the newest nodes with a tree attention mask (each sees
 the committed context and its ancestors, specd/engine/attention.py) and gives each of them
 b_d children. Nodes are in breadth-first order, at most tree_max_nodes.
+
+Dynamic trees (tree_dynamic, greedy drafts; EAGLE-2's idea): the shape follows the drafter's
+confidence. A node's score is its path probability (the product of the drafter's probabilities
+from the root). At depth d the b_d best-scored nodes of the newest depth are run, each giving its
+top b_d tokens as children; the tree_max_nodes best-scored nodes of all are proposed. A child never
+outscores its parent, so that set holds every proposed node's ancestors.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ class DraftModelProposer:
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
                  batch_invariant: bool = True, tree_branching: list[int] | None = None,
-                 tree_max_nodes: int = 32):
+                 tree_max_nodes: int = 32, tree_dynamic: bool = False):
         model_dir = resolve_model_dir(model)
         self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
@@ -56,6 +62,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
         self.sample_method, self.top_k = sample_method, top_k
         self.tree_branching, self.tree_max_nodes = (list(tree_branching) if tree_branching else None), tree_max_nodes
+        self.tree_dynamic = bool(tree_branching) and tree_dynamic
         # Unseeded requests draw from this stream: random per process unless a seed is given (the
         # offline engine passes one derived from its own, never equal to it).
         self.generator = torch.Generator(device=self.device).manual_seed(
@@ -92,12 +99,14 @@ class DraftModelProposer:
                                          parents=[] if self.tree_branching else None,
                                          draft_probs=[] if req.alternatives else None,
                                          alternatives=[] if req.alternatives else None)
+        outputs = {seq.seq_id: len(seq.output_token_ids) for seq, _ in active}
         with torch.inference_mode():
-            (self._draft_tree if self.tree_branching else self._draft)(active, out)
+            draft = self._draft_dynamic_tree if self.tree_dynamic else \
+                self._draft_tree if self.tree_branching else self._draft
+            draft(active, out)
         for seq, _ in active:  # roll back: state holds committed tokens only
-            committed = len(seq) - len(out[seq.seq_id].token_ids)
-            del seq.output_token_ids[len(seq.output_token_ids) - len(out[seq.seq_id].token_ids):]
-            seq.num_computed_tokens = min(seq.num_computed_tokens, committed)
+            del seq.output_token_ids[outputs[seq.seq_id]:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq))
             # a fork gives back its own blocks, never the shared ones
             self.blocks.truncate(seq, forks.get(seq.seq_id, seq.num_computed_tokens))
         return [out[key] for key in keys]
@@ -172,6 +181,53 @@ class DraftModelProposer:
                         seq.output_token_ids.append(token)  # fed as input of the next depth
                     row += 1
                 frontier[seq.seq_id] = newest
+
+    def _draft_dynamic_tree(self, active, out) -> None:
+        base = {s.seq_id: len(s) for s, _ in active}
+        # Per sequence: every node as (score, depth, token, parent), the nodes run so far (their
+        # order in the drafter's sequence from base on) and the parents of those, in that order.
+        nodes = {s.seq_id: [] for s, _ in active}
+        run_of = {s.seq_id: {-1: -1} for s, _ in active}  # node -> its place among the run nodes
+        run_parents = {s.seq_id: [] for s, _ in active}
+        frontier = {s.seq_id: [-1] for s, _ in active}  # nodes to run at this depth; -1: the root
+        for depth, width in enumerate(self.tree_branching):
+            live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
+                    and frontier[s.seq_id] and self._room(s)]
+            if not live:
+                break
+            entries = []
+            for s, _ in live:
+                e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
+                if depth:
+                    e.tree_base, e.tree_parents = base[s.seq_id], run_parents[s.seq_id]
+                entries.append(e)
+            logits = self.runner.run(entries)
+            for e in entries:
+                e.seq.num_computed_tokens += e.num_new_tokens
+            row = 0
+            for seq, _ in live:
+                tree, newest = nodes[seq.seq_id], []
+                for parent in frontier[seq.seq_id]:
+                    top = logits[row].float().log_softmax(-1).topk(min(width, logits.shape[-1]))
+                    score = tree[parent][0] if parent >= 0 else 0.0
+                    for lp, token in zip(top.values.tolist(), top.indices.tolist()):
+                        newest.append(len(tree))
+                        tree.append((score + lp, depth, token, parent))
+                    row += 1
+                # The next depth runs the best-scored of these (ties: the earlier node).
+                nxt = self.tree_branching[depth + 1] if depth + 1 < len(self.tree_branching) else 0
+                frontier[seq.seq_id] = sorted(sorted(newest, key=lambda i: -tree[i][0])[:nxt])
+                for i in frontier[seq.seq_id]:
+                    run_of[seq.seq_id][i] = len(run_parents[seq.seq_id])
+                    run_parents[seq.seq_id].append(run_of[seq.seq_id][tree[i][3]])
+                    seq.output_token_ids.append(tree[i][2])  # fed at the next depth
+        for seq, _ in active:
+            tree, prop = nodes[seq.seq_id], out[seq.seq_id]
+            best = sorted(range(len(tree)), key=lambda i: (-tree[i][0], tree[i][1], i))[: self.tree_max_nodes]
+            kept = sorted(best, key=lambda i: (tree[i][1], i))  # breadth-first
+            place = {i: j for j, i in enumerate(kept)}
+            prop.token_ids = [tree[i][2] for i in kept]
+            prop.parents = [place[tree[i][3]] if tree[i][3] >= 0 else -1 for i in kept]
 
     def _children(self, logits: torch.Tensor, width: int, req: ProposeRequest, gen):
         """Up to width (token, q) children of a node: the top tokens (q one-hot: None), or draws

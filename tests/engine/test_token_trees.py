@@ -1,7 +1,7 @@
 """Token trees (issue 15 part 5): tree attention in the verify forward, tree-aware acceptance,
 and the KV commit of the accepted path, lossless.
 
-Greedy: token-identical to plain decoding (float32) for draft_model and ngram trees, in
+Greedy: token-identical to plain decoding (float32) for draft_model (static and dynamic) and ngram trees, in
 batches that mix trees, chains, sequences without drafts and prefill chunks, with accepted
 paths off the first branch. Sampled: a chi-square test at T=1 of the tree walk against the
 target distribution, which fails when the sibling residual update is broken. KV: the cache
@@ -46,6 +46,10 @@ def _tree_configs(target: str, drafter: str) -> dict[str, dict]:
     return {
         "draft_model": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4,
                         "tree": {"branching": [3, 2, 1, 1]}, "adaptive": False},
+        # EAGLE-2's dynamic trees: the shape follows the drafter's path probabilities.
+        "draft_model_dynamic": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4,
+                                "tree": {"branching": [4, 2, 2, 1], "max_nodes": 10, "dynamic": True},
+                                "adaptive": False},
         "draft_model_self": {"method": "draft_model", "model": target, "num_speculative_tokens": 3,
                              "tree": {"branching": [2, 2, 1]}, "adaptive": False},
         # A single match is sent as a chain (parents None): batches mix chains and trees.
@@ -93,7 +97,7 @@ def _record_paths(llm) -> list[tuple[list[int] | None, list[int]]]:
     return seen
 
 
-@pytest.mark.parametrize("method", ["draft_model", "draft_model_self", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "draft_model_dynamic", "draft_model_self", "ngram"])
 def test_greedy_trees_identical_to_plain(method, target, drafter, get_llm, make_prompts):
     prompts = _prompts(make_prompts, 10, seed=21)
     plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
@@ -110,6 +114,9 @@ def test_greedy_trees_identical_to_plain(method, target, drafter, get_llm, make_
         assert off_branch, "no accepted path left the first branch: branch-0-only acceptance would pass"
     if method == "ngram":
         assert any(p is None for p, _ in seen), "no chain in the batches"
+    if method == "draft_model_dynamic":  # shapes chosen per step, within the budget
+        shapes = {tuple(p) for p, _ in trees}
+        assert len(shapes) > 1 and max(len(p) for p, _ in trees) <= 10, shapes
     blocks = llm.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_total_blocks
 
