@@ -1,6 +1,6 @@
 """Batch-invariant mode (the default): in bfloat16, a token's logits do not depend on what else
-the step computes, so greedy speculation gives exactly the plain tokens, in any batch, and a
-seeded sampled request reproduces whatever its batch.
+the step computes, so greedy speculation gives exactly the plain tokens, in any batch, for every
+method (hidden-state heads included), and a seeded sampled request reproduces whatever its batch.
 
 The model is random with near-flat logits, where a last-bit difference flips the argmax often:
 the control test shows that with the mode off the same comparison does fail.
@@ -86,6 +86,36 @@ def test_greedy_speculation_is_token_identical_in_bf16(method, model, drafter, p
     outs = llm.generate(prompts, GREEDY)  # one mixed batch of 16
     assert [o.token_ids for o in outs] == plain_alone
     assert sum(o.spec["accepted_tokens"] for o in outs) > 0, "no draft was accepted: the test proves nothing"
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory) -> str:
+    """As `model`, with 8 layers: EAGLE-3 reads three of them."""
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("bf16-deep-model")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3", "medusa_st", "mlp"])
+def test_hidden_state_heads_keep_bf16_greedy_identical(layout, deep_model, tmp_path):
+    """Random heads draft badly, but every verify block still holds k + 1 rows: the target's own
+    token must come out as in a 1-row step."""
+    from head_layouts import write_layout
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deep_model)
+    method, head_dir, _ = write_layout(layout, tmp_path / layout, hf)
+    prompts = _prompts()
+    plain = _alone(_llm(deep_model), prompts)
+    llm = _llm(deep_model, {"method": method, "model": str(head_dir), "target_model": deep_model,
+                            "num_speculative_tokens": 3, "adaptive": False})
+    assert _alone(llm, prompts[:4]) == plain[:4]  # batch 1
+    outs = llm.generate(prompts, GREEDY)  # one mixed batch of 16
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec["draft_tokens"] for o in outs) > 0, "the head never drafted: the test proves nothing"
 
 
 def test_control_without_the_mode_outputs_differ(model, drafter):
