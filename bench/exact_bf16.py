@@ -8,7 +8,9 @@ default): the reference is plain decoding of each held-out chat prompt alone (ba
 token for token against it: plain decoding in mixed batches of 16 (prompts of different
 lengths, so prefill and decode rows share steps), and each method (ngram, suffix, draft_model
 with the trained drafter, eagle with the committed EAGLE head, k = 4) at batch 1 and in mixed
-batches of 16. The same comparison with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
+batches of 16. `--methods eagle3,medusa,mlp_speculator --append` adds the heads no trained
+checkpoint exists for yet, as random-weight heads in their published layouts (the ones the tests
+write, tests/head_layouts.py): they draft nonsense, but every verify step still holds k + 1 rows. The same comparison with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
 runs, batch 1 and 16 (decode tok/s = tokens / (t(n) - t(1)) as in bench/engine.py).
 
 Writes bench/results/exact_bf16.{md,json}.
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from machine import machine_info  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("ngram", "suffix", "draft_model", "eagle")
+RANDOM_HEADS = {"eagle3": "eagle3", "medusa": "medusa_st", "mlp_speculator": "mlp"}  # method -> test layout
 EAGLE_HEAD = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
 
 
@@ -43,24 +47,42 @@ def parse_args(argv=None):
     p.add_argument("--cost-only", action="store_true",
                    help="measure only the cost, into the existing --out results (on a quiet machine)")
     p.add_argument("--out", default=str(RESULTS / "exact_bf16"))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of {', '.join(METHODS + tuple(RANDOM_HEADS))}")
+    p.add_argument("--append", action="store_true", help="add these rows to the existing --out results")
     return p.parse_args(argv)
 
 
-def spec_config(method: str) -> dict:
+def random_head(method: str, root: Path) -> str:
+    """A random-weight `method` head for the default target, in its published layout."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import transformers
+    from head_layouts import write_layout
+
+    from specd import model_store
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(str(model_store.target_dir()))
+    return str(write_layout(RANDOM_HEADS[method], root / method, target)[1])
+
+
+def spec_config(method: str, heads: dict[str, str] | None = None) -> dict:
     from specd import model_store
 
     cfg = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method in RANDOM_HEADS:
+        return {**cfg, "model": heads[method], "target_model": str(model_store.target_dir()),
+                "draft_dtype": "bfloat16"}
     if method == "eagle":  # the committed EAGLE head, reading the target's hidden states
         return {**cfg, "model": str(EAGLE_HEAD), "target_model": str(model_store.target_dir()),
                 "draft_dtype": "bfloat16"}
     return {**cfg, "model": str(model_store.drafter_dir()), "draft_dtype": "bfloat16"} if method == "draft_model" else cfg
 
 
-def make_llm(method: str | None, invariant: bool):
+def make_llm(method: str | None, invariant: bool, heads: dict[str, str] | None = None):
     from specd import LLM, model_store
 
     return LLM(str(model_store.target_dir()), dtype="bfloat16", max_model_len=2048, batch_invariant=invariant,
-               speculative_config=spec_config(method) if method else None)
+               speculative_config=spec_config(method, heads) if method else None)
 
 
 def generate(llm, prompts, params, batch: int) -> list[list[int]]:
@@ -132,15 +154,21 @@ def main(argv=None) -> int:
         print(f"wrote {out}.md", file=sys.stderr)
         return 0
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS) - set(RANDOM_HEADS)
+    if unknown:
+        raise SystemExit(f"unknown methods: {', '.join(sorted(unknown))}")
+    tmp = tempfile.TemporaryDirectory()
+    heads = {m: random_head(m, Path(tmp.name)) for m in methods if m in RANDOM_HEADS}
     rows = []
     for invariant in ([True] if args.no_control else [True, False]):
         plain = make_llm(None, invariant)
         prompts = [chat_prompt_ids(plain.tokenizer, m) for m in workload("chat", args.prompts)]
         ref = generate(plain, prompts, greedy, 1)
-        cells = {("plain", args.batch): generate(plain, prompts, greedy, args.batch)}
+        cells = {} if args.append else {("plain", args.batch): generate(plain, prompts, greedy, args.batch)}
         del plain
-        for method in METHODS:
-            llm = make_llm(method, invariant)
+        for method in methods:
+            llm = make_llm(method, invariant, heads)
             for batch in (1, args.batch):
                 cells[(method, batch)] = generate(llm, prompts, greedy, batch)
             del llm
@@ -149,11 +177,18 @@ def main(argv=None) -> int:
                          "tokens": sum(len(x) for x in got)})
             print(f"invariant={invariant} {method:12s} batch {batch:3d}: {rows[-1]['identical']}/{args.prompts} identical",
                   file=sys.stderr, flush=True)
-    cost = [] if args.skip_cost else measure_cost(args, prompts)
     info["load_avg_end"] = os.getloadavg()[0]
-    result = {"machine": info, "command": " ".join(["python", "bench/exact_bf16.py", *(argv or sys.argv[1:])]),
-              "settings": vars(args) | {"k": 4, "dtype": "bfloat16", "workload": "chat"},
-              "rows": rows, "cost": cost, "elapsed_s": time.monotonic() - t0}
+    command = " ".join(["python", "bench/exact_bf16.py", *(argv or sys.argv[1:])])
+    if args.append:
+        result = json.loads(out.with_suffix(".json").read_text())
+        result["rows"] += rows
+        result["appended"] = result.get("appended", []) + [{"command": command, "machine": info,
+                                                           "elapsed_s": time.monotonic() - t0}]
+    else:
+        cost = [] if args.skip_cost else measure_cost(args, prompts)
+        result = {"machine": info, "command": command,
+                  "settings": vars(args) | {"k": 4, "dtype": "bfloat16", "workload": "chat"},
+                  "rows": rows, "cost": cost, "elapsed_s": time.monotonic() - t0}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(result))
@@ -167,9 +202,14 @@ def render(r: dict) -> str:
              f"SmolLM2-135M-Instruct (default target) in bfloat16, {s['prompts']} held-out chat prompts x up to "
              f"{s['max_tokens']} tokens (EOS ends a request), greedy, k = 4 (controller off), draft_model = the "
              "trained drafter in bf16. Reference: plain decoding, each prompt alone. Mixed batches: the prompts "
-             f"in groups of {s['batch']} (different lengths, prefill and decode rows in the same steps).", "",
-             "| batch-invariant mode | decoding | batch | identical to the reference | first divergence (token index) |",
-             "|---|---|---:|---:|---|"]
+             f"in groups of {s['batch']} (different lengths, prefill and decode rows in the same steps).", ""]
+    if any(row["method"] in RANDOM_HEADS for row in r["rows"]):
+        lines += [f"{', '.join(m for m in RANDOM_HEADS if any(row['method'] == m for row in r['rows']))}: "
+                  "random-weight heads in their published layouts (tests/head_layouts.py), as no trained head "
+                  "exists for this target yet; they draft nonsense, but every verify step still holds k + 1 rows.",
+                  ""]
+    lines += ["| batch-invariant mode | decoding | batch | identical to the reference | first divergence (token index) |",
+              "|---|---|---:|---:|---|"]
     for row in r["rows"]:
         div = sorted(f for f in row["first_divergence"] if f is not None)
         lines.append(f"| {'on' if row['batch_invariant'] else 'off (control)'} | {row['method']} | {row['batch']} | "
@@ -184,6 +224,10 @@ def render(r: dict) -> str:
     lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['threads']}, torch {m['torch']}; "
               f"load average {m['load_avg_start']:.2f} at start, {m['load_avg_end']:.2f} at end; {m['date']}; "
               f"{r['elapsed_s'] / 60:.0f} min.", ""]
+    for a in r.get("appended", []):
+        lines += [f"Rows added by `{a['command']}` against a fresh reference: load average "
+                  f"{a['machine']['load_avg_start']:.2f} at start, {a['machine']['load_avg_end']:.2f} at end; "
+                  f"{a['machine']['date']}; {a['elapsed_s'] / 60:.0f} min.", ""]
     return "\n".join(lines)
 
 

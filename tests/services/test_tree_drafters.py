@@ -48,6 +48,7 @@ def stack(launcher):
             "--options", json.dumps({"tree": TREE}), "--metrics-port", str(ports["tree"]), "--log-level", "warning"])
         verifier = launcher.start("verifier", "verifier", [
             "--model", str(TARGET), "--dtype", "float32", "--propose-timeout-ms", "2000",
+            "--speculative-config", json.dumps({"adaptive": False}),  # drafts every step, however loaded
             "--drafter", f"tree={tree.address}", "--metrics-port", str(ports["verifier"]), "--log-level", "warning"])
     stub = pbg.VerifierStub(auth.sync_channel(verifier.address, auth.Security(secret=SECRET), auth.VERIFIER))
     deadline = time.monotonic() + 60
