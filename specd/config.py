@@ -44,6 +44,11 @@ def format_validation_error(err: Exception) -> str:
     return str(err)
 
 
+# Token-tree sizes: the default node budget per sequence and step, and the most any tree may hold.
+DEFAULT_TREE_NODES = 32
+MAX_TREE_NODES = 256
+
+
 class TreeConfig(BaseModel):
     """A static token-tree shape (EAGLE's static trees, SpecInfer's expansion): children per node
     at each depth. draft_model: the top-b tokens of the drafter (sampled: b draws without
@@ -53,7 +58,7 @@ class TreeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     branching: list[int] = Field(min_length=1, max_length=32)
-    max_nodes: int = Field(default=32, ge=1, le=256)
+    max_nodes: int = Field(default=DEFAULT_TREE_NODES, ge=1, le=MAX_TREE_NODES)
     # draft_model with greedy drafts: EAGLE-2's dynamic trees. At depth d the branching[d]
     # most probable nodes of the newest depth (by the drafter's path probability) are expanded,
     # each into its top branching[d] tokens; the max_nodes most probable nodes are sent.

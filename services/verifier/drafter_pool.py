@@ -18,6 +18,7 @@ import uuid
 from dataclasses import replace
 
 from specd.auth import Security
+from specd.config import MAX_TREE_NODES
 from specd.proposers.base import Proposal, ProposeRequest
 from specd.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
@@ -32,9 +33,6 @@ DEFAULT_PROPOSE_TIMEOUT_S = 0.25
 LOOPBACK = ["127.*:*", "localhost:*", "::1:*"]
 # The widest sparse q a drafter may send per draft (draft_model sends its draft top-k, 16 by default).
 MAX_Q_WIDTH = 256
-# The most nodes a drafter's tree may carry on the wire (TreeConfig's bound); the speculator then
-# keeps those within the verifier's own tree budget and depth k.
-MAX_TREE_NODES = 256
 
 
 class DrafterPool:
@@ -250,22 +248,20 @@ class DrafterPool:
         return self._checked(client, requests, reply)
 
     def _checked(self, client: DrafterClient, requests: list[ProposeRequest], reply) -> list[Proposal]:
-        """The reply within the protocol's bounds, looked at through len() before anything is
-        copied: one proposal per sequence asked, at most its k drafts (a tree: MAX_TREE_NODES
-        nodes, one parent each), q (if any) one row per draft, each at most MAX_Q_WIDTH wide. A proposal out of bounds is dropped (a violation);
-        ids and q values are checked by the speculator. An untrusted drafter's q is dropped
-        unread: its drafts are verified as one-hot, which is exact whoever chose them."""
+        """The reply within the protocol's bounds (_in_bounds), looked at through len() before
+        anything is copied: one proposal per sequence asked. A proposal out of bounds is dropped
+        (a violation); ids, q values and a tree's budget and depth are checked by the speculator.
+        An untrusted drafter's q is dropped unread: its drafts are verified as one-hot, which is
+        exact whoever chose them."""
         asked = {r.seq_id: min(r.k, client.max_k) for r in requests}
         out, seen, violations = [], set(), 0
         for p in reply.proposals:
             k = asked.get(p.seq_id)
-            n, tree = len(p.token_ids), len(p.parents) > 0
-            if k is None or p.seq_id in seen or n > (MAX_TREE_NODES if tree else k) or (tree and len(p.parents) != n) or (
-                    len(p.q) and len(p.q) != n) or (client.trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)):
+            if k is None or p.seq_id in seen or not _in_bounds(p, k, client.trusted):
                 violations += 1
                 continue
             seen.add(p.seq_id)
-            use_q = client.trusted and len(p.q) > 0
+            tree, use_q = len(p.parents) > 0, client.trusted and len(p.q) > 0
             out.append(Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
                                 q_ids=[list(d.ids) for d in p.q] if use_q else None,
                                 q_probs=[list(d.probs) for d in p.q] if use_q else None,
@@ -337,3 +333,11 @@ class PoolProposer:
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.pool.feature_layers
+
+
+def _in_bounds(p, k: int, trusted: bool) -> bool:
+    """A wire proposal's shape: at most k drafts (a tree: MAX_TREE_NODES, one parent each), q one
+    row per draft, each row at most MAX_Q_WIDTH wide where it will be read."""
+    n, tree = len(p.token_ids), len(p.parents) > 0
+    return (n <= (MAX_TREE_NODES if tree else k) and (not tree or len(p.parents) == n)
+            and (not len(p.q) or len(p.q) == n) and not (trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)))

@@ -188,8 +188,8 @@ class CausalLM(nn.Module):
 
     def use_fused_ops(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Route norms, rotary + KV write, attention and SiLU through kernels/cpu_bf16_ops.cpp
-        (CPU, bfloat16, where it builds): 37.8 -> 45.8-48.5 tok/s at batch 1 on the default target
-        (bench/results/engine_real.md)."""
+        (CPU, bfloat16, where it builds): 37.8 -> 45.8-48.5 tok/s at batch 1 on the default target,
+        58.5 with decoder_stack (bench/results/engine_real.md)."""
         from specd.kernels import cpu_ops
 
         on = device.type == "cpu" and dtype == torch.bfloat16 and cpu_ops.available()
@@ -213,6 +213,28 @@ class CausalLM(nn.Module):
             weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.o_proj.packed,
                         layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
         return weights, [m.bias for m in linears]
+
+    def _stack_applies(self, rows: int, meta: AttentionMetadata, capture: tuple[int, ...]) -> bool:
+        """decoder_stack runs this step: its tensors are built, no layer's input is captured, the
+        step's attention is the fused op, and its rows fit one matmul call (linear._by_rows)."""
+        attn = self.model.layers[0].self_attn
+        return (self.stack is not None and set(capture) <= {len(self.model.layers)} and meta.token_seq is not None
+                and attn.fused_attention_applies(meta)
+                and (attn.qkv_proj.max_rows is None or rows <= attn.qkv_proj.max_rows))
+
+    def _layers(self, x, cos_sin, kv_caches, meta, capture, captured: dict):
+        """The layers one by one -> (residual stream, last MLP output or None: not yet added)."""
+        fused, mlp_out = self.model.norm.fused, None
+        for j, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            if fused:  # the previous layer's residual add happens in this layer's norm op
+                norm = layer.input_layernorm
+                x, y = (x, norm.forward(x)) if mlp_out is None else \
+                    torch.ops.specd_cpu.add_rms_norm(mlp_out, x, norm.weight, norm.eps)
+            if j in capture:
+                captured[j] = x
+            x, mlp_out = layer.forward_fused(x, y, cos_sin, kv, meta) if fused else \
+                (layer.forward(x, cos_sin, kv, meta), None)
+        return x, mlp_out
 
     def set_batch_invariant(self, on: bool) -> None:
         for module in self.modules():
@@ -238,27 +260,16 @@ class CausalLM(nn.Module):
         cos_sin = self.rotary(positions)  # once per step, shared by all layers
         L = len(self.model.layers)
         captured = {}
-        fused, mlp_out = self.model.norm.fused, None
-        first = self.model.layers[0]
-        if (self.stack is not None and set(capture) <= {L} and meta.token_seq is not None
-                and first.self_attn.fused_attention_applies(meta)
-                and (first.self_attn.qkv_proj.max_rows is None or x.shape[0] <= first.self_attn.qkv_proj.max_rows)):
+        if self._stack_applies(x.shape[0], meta, capture):
             # Every layer in one C++ call; the loop below computes the same, op by op.
+            first = self.model.layers[0]
             attn = first.self_attn
             x, mlp_out = torch.ops.specd_cpu.decoder_stack(
                 x, *self.stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], *cos_sin,
                 meta.slot_mapping, meta.block_tables, meta.token_seq, meta.token_pos, attn.key_index(meta),
                 attn.h, attn.d, attn.scale, attn.window or 0, first.input_layernorm.eps)
-            kv_caches = []  # done
-        for j, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            if fused:  # the previous layer's residual add happens in this layer's norm op
-                norm = layer.input_layernorm
-                x, y = (x, norm.forward(x)) if mlp_out is None else \
-                    torch.ops.specd_cpu.add_rms_norm(mlp_out, x, norm.weight, norm.eps)
-            if j in capture:
-                captured[j] = x
-            x, mlp_out = layer.forward_fused(x, y, cos_sin, kv, meta) if fused else \
-                (layer.forward(x, cos_sin, kv, meta), None)
+        else:
+            x, mlp_out = self._layers(x, cos_sin, kv_caches, meta, capture, captured)
         if mlp_out is not None:
             x = x + mlp_out
         if L in capture:

@@ -12,7 +12,7 @@ import math
 import time
 from collections import defaultdict
 
-from specd.config import SpeculativeConfig, TreeConfig
+from specd.config import DEFAULT_TREE_NODES, SpeculativeConfig
 from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
@@ -28,7 +28,7 @@ class Speculator:
         # The most tree nodes one sequence may send (a chain's bound is k). Drafter services
         # (method None) may send trees within the default budget unless the config sets one.
         self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else (
-            TreeConfig.model_fields["max_nodes"].default if config.method is None else 0)
+            DEFAULT_TREE_NODES if config.method is None else 0)
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)

@@ -153,19 +153,10 @@ class DraftModelProposer:
         frontier = {s.seq_id: [-1] for s, _ in active}  # -1: the root (the catch-up's last row)
         gens = {s.seq_id: self._tree_generator(s, r) for s, r in active if self._sampled(r)}
         for depth, width in enumerate(self.tree_branching):
-            live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
-                    and frontier[s.seq_id] and self._room(s)]
+            live, logits = self._tree_depth(active, depth, base, frontier,
+                                            {s.seq_id: out[s.seq_id].parents for s, _ in active})
             if not live:
                 return
-            entries = []
-            for s, _ in live:
-                e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
-                if depth:
-                    e.tree_base, e.tree_parents = base[s.seq_id], out[s.seq_id].parents
-                entries.append(e)
-            logits = self.runner.run(entries)
-            for e in entries:
-                e.seq.num_computed_tokens += e.num_new_tokens
             row = 0
             for seq, req in live:
                 prop, newest = out[seq.seq_id], []
@@ -191,19 +182,9 @@ class DraftModelProposer:
         run_parents = {s.seq_id: [] for s, _ in active}
         frontier = {s.seq_id: [-1] for s, _ in active}  # nodes to run at this depth; -1: the root
         for depth, width in enumerate(self.tree_branching):
-            live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
-                    and frontier[s.seq_id] and self._room(s)]
+            live, logits = self._tree_depth(active, depth, base, frontier, run_parents)
             if not live:
                 break
-            entries = []
-            for s, _ in live:
-                e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
-                if depth:
-                    e.tree_base, e.tree_parents = base[s.seq_id], run_parents[s.seq_id]
-                entries.append(e)
-            logits = self.runner.run(entries)
-            for e in entries:
-                e.seq.num_computed_tokens += e.num_new_tokens
             row = 0
             for seq, _ in live:
                 tree, newest = nodes[seq.seq_id], []
@@ -228,6 +209,25 @@ class DraftModelProposer:
             place = {i: j for j, i in enumerate(kept)}
             prop.token_ids = [tree[i][2] for i in kept]
             prop.parents = [place[tree[i][3]] if tree[i][3] >= 0 else -1 for i in kept]
+
+    def _tree_depth(self, active, depth: int, base: dict, frontier: dict, parents: dict):
+        """One forward of a tree depth: each sequence still drafting runs its frontier's nodes (the
+        last len(frontier) tokens fed; depth 0: the catch-up chunk, whose last row is the root)
+        under the tree mask of `parents` (relative to base). -> (those sequences, logits by row)."""
+        live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
+                and frontier[s.seq_id] and self._room(s)]
+        if not live:
+            return [], None
+        entries = []
+        for s, _ in live:
+            e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
+            if depth:
+                e.tree_base, e.tree_parents = base[s.seq_id], parents[s.seq_id]
+            entries.append(e)
+        logits = self.runner.run(entries)
+        for e in entries:
+            e.seq.num_computed_tokens += e.num_new_tokens
+        return live, logits
 
     def _children(self, logits: torch.Tensor, width: int, req: ProposeRequest, gen):
         """Up to width (token, q) children of a node: the top tokens (q one-hot: None), or draws

@@ -19,15 +19,19 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+def _random_llama(tmp_path_factory, layers: int) -> str:
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("bf16-model")
+    out = tmp_path_factory.mktemp(f"bf16-model-{layers}")
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return _random_llama(tmp_path_factory, 3)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +98,7 @@ def test_greedy_speculation_is_token_identical_in_bf16(method, model, drafter, p
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory) -> str:
     """As `model`, with 8 layers: EAGLE-3 reads three of them."""
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("bf16-deep-model")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
-    return str(out)
+    return _random_llama(tmp_path_factory, 8)
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3", "medusa_st", "mlp"])

@@ -22,13 +22,14 @@ SPECS = {
 }
 
 
-def _run(target: str, spec: dict, prompts, stack: bool, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _run(target: str, spec: dict, prompts, stack: bool, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor], int]:
     llm = LLM(target, speculative_config=dict(spec, model=target) if spec["method"] == "draft_model" else spec,
               dtype="bfloat16", max_num_batched_tokens=32, seed=0)
     model = llm.engine.runner.model
     assert cpu_ops.available() and model.stack is not None, "the stack should apply to this Llama in bf16"
+    weights = model.stack[0]
     if not stack:
-        model.stack = None
+        model.stack = None  # forward() then takes the layer loop
     logits, forward = [], CausalLM.forward
 
     def recording(self, *args, **kwargs):
@@ -37,19 +38,28 @@ def _run(target: str, spec: dict, prompts, stack: bool, monkeypatch) -> tuple[li
             logits.append(out.clone())
         return out
 
+    calls, stack_op = [], torch.ops.specd_cpu.decoder_stack
+
+    def counting(*args):
+        if args[1] is weights:  # the target's (a drafter has its own)
+            calls.append(args[0].shape[0])
+        return stack_op(*args)
+
     monkeypatch.setattr(CausalLM, "forward", recording)
+    monkeypatch.setattr(torch.ops.specd_cpu, "decoder_stack", counting)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     monkeypatch.undo()
-    return [o.token_ids for o in outs], logits
+    return [o.token_ids for o in outs], logits, len(calls)
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_decoder_stack_equals_layer_by_layer(model_dirs, make_prompts, kind, monkeypatch):
     target = model_dirs["llama3"]
     prompts = [p + p[:4] + p[:4] for p in make_prompts(4, seed=5, lengths=[40, 9, 17, 3])]  # 40+8: chunked
-    tokens, logits = _run(target, SPECS[kind], prompts, True, monkeypatch)
-    ref_tokens, ref_logits = _run(target, SPECS[kind], prompts, False, monkeypatch)
+    tokens, logits, stack_calls = _run(target, SPECS[kind], prompts, True, monkeypatch)
+    ref_tokens, ref_logits, _ = _run(target, SPECS[kind], prompts, False, monkeypatch)
+    assert stack_calls == len(logits), "a step of the target did not take the stack"
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) > 5
     for i, (a, b) in enumerate(zip(logits, ref_logits)):
