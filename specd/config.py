@@ -57,7 +57,7 @@ class TreeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    branching: list[int] = Field(min_length=1, max_length=32)
+    branching: list[int] | None = Field(default=None, min_length=1, max_length=32)  # None: combined only
     max_nodes: int = Field(default=DEFAULT_TREE_NODES, ge=1, le=MAX_TREE_NODES)
     # draft_model with greedy drafts: EAGLE-2's dynamic trees. At depth d the branching[d]
     # most probable nodes of the newest depth (by the drafter's path probability) are expanded,
@@ -65,7 +65,7 @@ class TreeConfig(BaseModel):
     dynamic: bool = False
 
     def model_post_init(self, _context) -> None:
-        if any(not 1 <= b <= 16 for b in self.branching):
+        if any(not 1 <= b <= 16 for b in self.branching or ()):
             raise ValueError(f"tree branching factors must be in [1, 16], got {self.branching}")
 
 
@@ -75,7 +75,9 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # None: proposals come from drafter services (the verifier's pool), not an in-process proposer.
-    method: Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator"] | None = None
+    # combined: one token tree from the drafts of `members` (specd/proposers/combined.py).
+    method: Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
+                    "combined"] | None = None
     model: str | None = None  # draft_model, or a hidden-state head's checkpoint: local directory or hub id
     # hidden-state heads (eagle, eagle3, medusa, mlp_speculator): the target they read (directory, hub
     # id or GGUF) for its layer count, hidden size, and the embeddings / LM head EAGLE heads borrow
@@ -102,7 +104,10 @@ class SpeculativeConfig(BaseModel):
     # controller: choose k per step from the measured cost model (False: always k)
     adaptive: bool = True
     # token trees instead of chains (draft_model, ngram); None: chains. k still bounds the depth.
+    # combined: only max_nodes is read, the merged tree's budget.
     tree: TreeConfig | None = None
+    # combined: the proposers whose drafts are merged, first = tried first and kept first
+    members: list["SpeculativeConfig"] | None = None
 
     def model_post_init(self, _context) -> None:
         heads = ("eagle", "eagle3", "medusa", "mlp_speculator")
@@ -117,8 +122,11 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"'target_model' is only used by hidden-state heads, not {self.method!r}")
         if self.rejection_sample_method == "synthetic" and self.synthetic_acceptance_rate is None:
             raise ValueError("rejection_sample_method 'synthetic' needs synthetic_acceptance_rate")
-        if self.tree is not None and self.method not in ("draft_model", "ngram"):
-            raise ValueError(f"'tree' is supported by methods draft_model and ngram, not {self.method!r}")
+        if self.tree is not None and self.method not in ("draft_model", "ngram", "combined"):
+            raise ValueError(f"'tree' is supported by methods draft_model, ngram and combined, not {self.method!r}")
+        if self.tree is not None and self.tree.branching is None and self.method != "combined":
+            raise ValueError(f"method {self.method!r} needs 'tree.branching' (children per node at each depth)")
+        self._check_members()
         if self.tree is not None and self.tree.dynamic and (
                 self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ValueError("dynamic trees are built by method 'draft_model' with greedy drafts only")
@@ -127,6 +135,18 @@ class SpeculativeConfig(BaseModel):
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+
+    def _check_members(self) -> None:
+        if self.method != "combined":
+            if self.members is not None:
+                raise ValueError(f"'members' is only used by method 'combined', not {self.method!r}")
+            return
+        if not self.members or len(self.members) < 2:
+            raise ValueError("method 'combined' needs 'members': at least two proposer configs to merge")
+        if any(m.method in (None, "combined") for m in self.members):
+            raise ValueError("each member of 'combined' names its own method (not combined)")
+        if self.rejection_sample_method != "strict":
+            raise ValueError("method 'combined' builds token trees: rejection_sample_method 'strict' only")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -1,5 +1,6 @@
-"""`specd drafter`: host one proposer (draft_model, ngram, suffix, or a hidden-state head: eagle,
-eagle3, medusa, mlp_speculator) as a gRPC service."""
+"""`specd drafter`: host one proposer (draft_model, ngram, suffix, a hidden-state head: eagle,
+eagle3, medusa, mlp_speculator, or several of them merged into one token tree: combined) as a
+gRPC service."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specd import auth
     from specd.metrics_port import add_metrics_port_argument
 
-    p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix", *HEAD_METHODS])
+    p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix", *HEAD_METHODS, "combined"])
     p.add_argument("--model", default=None,
                    help="draft model directory or hub id (draft_model; default: the trained drafter of the default "
                         "target, fetched once), or the head's checkpoint (eagle, eagle3, medusa, mlp_speculator)")
@@ -27,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_metrics_port_argument(p)
     p.add_argument("--options", default=None,
                    help='proposer options as JSON with vLLM\'s keys, e.g. \'{"prompt_lookup_max": 3}\' '
-                        "or '{\"draft_sample_method\": \"sampled\"}'")
+                        "or '{\"draft_sample_method\": \"sampled\"}'; combined: "
+                        "'{\"members\": [{\"method\": \"draft_model\"}, {\"method\": \"suffix\"}]}' (a draft_model "
+                        "member without 'model' takes the default drafter, a head without 'target_model' --target)")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="the most drafts per request (max k)")
     p.add_argument("--ttl-seconds", type=float, default=600.0,
                    help="forget a sequence no verifier touched for this long")
@@ -63,30 +66,28 @@ def build_proposer(args):
     options = json.loads(args.options) if args.options else {}
     if not isinstance(options, dict):
         raise ValueError("--options must be a JSON object")
-    model = args.model
-    if args.method == "draft_model" and model is None:
-        from specd.model_store import default_drafter
-
-        model = default_drafter()
-    if args.dtype is not None:
-        options["draft_dtype"] = args.dtype
-    target = None
-    if args.method in HEAD_METHODS:
-        from specd.model_store import default_target
-
-        target = args.target or default_target()
-        options["target_model"] = target
-    elif args.target:
+    if args.target and args.method not in (*HEAD_METHODS, "combined"):
         raise ValueError("--target is for hidden-state heads (eagle, eagle3, medusa, mlp_speculator)")
-    spec = SpeculativeConfig.parse({**options, "method": args.method, "model": model,
-                                    "num_speculative_tokens": args.num_speculative_tokens})
+    if args.method == "combined":
+        if not isinstance(options.get("members"), list):
+            raise ValueError('--method combined needs --options \'{"members": [{"method": ...}, ...]}\'')
+        options["members"] = [_with_defaults(m, m.get("method") if isinstance(m, dict) else None, args)
+                              for m in options["members"]]
+        spec = SpeculativeConfig.parse({**options, "method": "combined", "model": args.model,
+                                        "num_speculative_tokens": args.num_speculative_tokens})
+    else:
+        options = _with_defaults({**options, "model": args.model}, args.method, args)
+        spec = SpeculativeConfig.parse({**options, "method": args.method,
+                                        "num_speculative_tokens": args.num_speculative_tokens})
     proposer = make_proposer(spec, target_vocab_size=None, device=args.device)
     vocab_size, vocab_hash = 0, ""
-    if args.method == "draft_model" or target:
+    source = _vocabulary_of(spec)
+    model = spec.model
+    if source:
         from specd.engine.loader import resolve_model_dir
 
         # A head drafts the target's ids: its vocabulary is the target's tokenizer.
-        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(target or model))
+        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(source))
     info = drafter_pb2.DrafterInfoResponse(name=args.name or args.method, method=args.method, model=model or "",
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)
@@ -96,6 +97,32 @@ def build_proposer(args):
 
         proposer = PipelinedProposer(proposer, args.pipeline_branches or DEFAULT_BRANCHES)
     return proposer, info
+
+
+def _with_defaults(options, method: str | None, args):
+    """A proposer's options with the service's defaults filled in: the default drafter for
+    draft_model, the target (--target, or the default one) for heads, --dtype."""
+    if not isinstance(options, dict):
+        return options  # SpeculativeConfig names what is wrong
+    options = dict(options)
+    if method == "draft_model" and options.get("model") is None:
+        from specd.model_store import default_drafter
+
+        options["model"] = default_drafter()
+    if method in HEAD_METHODS and options.get("target_model") is None:
+        from specd.model_store import default_target
+
+        options["target_model"] = args.target or default_target()
+    if args.dtype is not None and method in ("draft_model", *HEAD_METHODS):
+        options["draft_dtype"] = args.dtype
+    return options
+
+
+def _vocabulary_of(spec) -> str | None:
+    """The model whose tokenizer names the ids this proposer drafts (None: token-only proposers)."""
+    if spec.method == "combined":
+        return next((s for s in map(_vocabulary_of, spec.members) if s), None)
+    return spec.target_model if spec.method in HEAD_METHODS else spec.model
 
 
 def describe_features(proposer, info) -> None:

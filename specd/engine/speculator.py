@@ -26,9 +26,10 @@ class Speculator:
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
         # The most tree nodes one sequence may send (a chain's bound is k). Drafter services
-        # (method None) may send trees within the default budget unless the config sets one.
+        # (method None) and combined proposers may send trees within the default budget unless
+        # the config sets one.
         self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else (
-            DEFAULT_TREE_NODES if config.method is None else 0)
+            DEFAULT_TREE_NODES if config.method in (None, "combined") else 0)
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)

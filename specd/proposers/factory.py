@@ -13,6 +13,16 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
     (None: random)."""
     from specd.proposers.base import PROPOSERS
 
+    if spec.method == "combined":
+        from specd.config import DEFAULT_TREE_NODES
+        from specd.proposers.combined import CombinedProposer
+
+        # A member without its own k drafts the combined config's.
+        members = [m if "num_speculative_tokens" in m.model_fields_set
+                   else m.model_copy(update={"num_speculative_tokens": spec.num_speculative_tokens})
+                   for m in spec.members]
+        return CombinedProposer([make_proposer(m, target_vocab_size, device, seed) for m in members],
+                                spec.tree.max_nodes if spec.tree else DEFAULT_TREE_NODES)
     if spec.method == "draft_model":
         from specd.proposers.draft_model import DraftModelProposer
 
