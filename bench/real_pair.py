@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP = [{"role": "user", "content": "Say hello in five words."}]  # in no workload (suffix caches answers)
-METHODS = ("draft_model", "ngram", "suffix", "eagle")
+METHODS = ("draft_model", "ngram", "suffix", "eagle", "combined")
 WORKLOADS = ("chat", "code_edit", "summarize")
 STAGES = ("offline", "http", "peers")
 T0 = time.monotonic()
@@ -113,7 +113,7 @@ def parse_args(argv=None):
     committed_eagle = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
     args.eagle = args.eagle or (str(committed_eagle) if (committed_eagle / "config.json").is_file() else None)
     if args.methods is None:
-        args.methods = [m for m in METHODS if m != "eagle" or args.eagle]
+        args.methods = [m for m in METHODS if m not in ("eagle", "combined") or (m == "eagle" and args.eagle)]
     if "eagle" in args.methods and not args.eagle:
         ap.error("method eagle needs --eagle (an EAGLE head: specd train-drafter --method eagle)")
     for what in ("target", "drafter"):
@@ -186,6 +186,10 @@ def spec_config(method: str, k: int, temperature: float, drafter: str, dtype: st
             cfg["draft_sample_method"] = "sampled"
     elif method == "ngram":
         cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    elif method == "combined":  # one tree from the draft model's chain and suffix's match
+        model = spec_config("draft_model", k, temperature, drafter, dtype)
+        cfg["members"] = [{key: v for key, v in model.items() if key not in ("num_speculative_tokens", "adaptive")},
+                          {"method": "suffix"}]
     return cfg
 
 

@@ -28,6 +28,8 @@ DRAFTER_OPTIONS = {  # what the offline rows use, as drafter-side options
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {},
     "eagle": {"draft_sample_method": "sampled"},
+    # one tree from the draft model's chain and suffix's match (the drafter is filled in below)
+    "combined": {"members": [{"method": "draft_model", "draft_sample_method": "sampled"}, {"method": "suffix"}]},
 }
 
 
@@ -59,8 +61,13 @@ class Services:
             argv += ["--model", self.drafter, "--dtype", self.dtype]
         elif method == "eagle":
             argv += ["--model", self.eagle, "--target", self.target, "--dtype", self.dtype]
-        if DRAFTER_OPTIONS[method]:
-            argv += ["--options", json.dumps(DRAFTER_OPTIONS[method])]
+        options = DRAFTER_OPTIONS[method]
+        if method == "combined":
+            argv += ["--dtype", self.dtype]
+            options = {"members": [{**m, "model": self.drafter} if m["method"] == "draft_model" else m
+                                   for m in options["members"]]}
+        if options:
+            argv += ["--options", json.dumps(options)]
         return argv
 
     def __enter__(self) -> "Services":

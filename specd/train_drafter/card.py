@@ -51,8 +51,10 @@ def write_card(out: Path, report: dict, command: str) -> None:
         "",
         "## Data and objective",
         "",
-        f"{train['prompts']} chat prompts built from the Python standard library's training split and fixed "
-        "topic lists (questions, code edits, code explanations, summaries, small coding tasks), answered by the "
+        f"{train['prompts']} chat prompts: {train['prompts'] - train.get('questions', 0)} built from the Python "
+        "standard library's training split and fixed topic lists (questions, code edits, code explanations, "
+        f"summaries, small coding tasks), and {train.get('questions', 0)} everyday questions from fixed subject "
+        "and task lists (`specd/train_drafter/questions.py`), answered by the "
         "target itself with our engine (bfloat16; 2 of 3 greedy, 1 of 3 sampled at T=0.7, seeded): "
         f"{train['tokens']:,} tokens of prompt + answer. At every position the target's top-{cfg['topk']} "
         "distribution (transformers, bfloat16) is the teacher. Loss: cross-entropy to that distribution "

@@ -27,7 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eagle: an EAGLE head on the target's hidden states, written to --out)")
     p.add_argument("--target", default=None, help="target model directory (default: the fetched default target)")
     p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct-drafter)")
-    p.add_argument("--prompts", type=int, default=640, help="training prompts the target answers")
+    p.add_argument("--prompts", type=int, default=3000,
+                   help="training prompts built from the stdlib and topic lists (prompts.py) the target answers")
+    p.add_argument("--questions", type=int, default=3720,
+                   help="everyday chat questions (questions.py) the target answers as well")
     p.add_argument("--max-tokens", type=int, default=160, help="max tokens per answer")
     p.add_argument("--answer-dtype", default="bfloat16", help="dtype of the target while answering")
     p.add_argument("--layers", default="0,1", help="target layers the drafter's layers start from")
@@ -53,7 +56,7 @@ def run(args) -> int:
             from specd.train_drafter.eagle_card import finish as finish_eagle
 
             finish_eagle(target, Path(args.out), args.threads, f"specd train-drafter --method eagle --threads "
-                         f"{args.threads} --prompts {args.prompts} --out {args.out}")
+                         f"{args.threads} --prompts {args.prompts} --questions {args.questions} --out {args.out}")
         else:
             train_eagle(target, Path(args.out), args)
         return 0
@@ -104,13 +107,11 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     from specd.model_store import target_embeddings
     from specd.tokenizer import Tokenizer
     from specd.train_drafter import distill
-    from specd.train_drafter.prompts import training_prompts
     from specd.workloads import WORKLOADS, workload
 
     t0 = time.perf_counter()
     tok = Tokenizer.from_dir(target_dir)
-    prompts = training_prompts(args.prompts)
-    sequences = _cached_answers(target_dir, prompts, args, log)
+    prompts, sequences = training_answers(target_dir, args, log)
     prompt_lens = [len(chat_prompt_ids(tok, m)) for m in prompts]
     # bfloat16 teacher: on CPUs with bf16 matrix units it is several times faster than float32,
     # and its top-k differs from the float32 target's only in the last digits.
@@ -134,13 +135,27 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
                     "loss": _heldout_loss(head, ex, cfg), "draft_vocab_coverage": _coverage(head, ex)}
              for name, ex in heldout.items()}
     _save(head, out, cfg)
-    report = {"train": {**train_report, "config": asdict(cfg), "prompts": len(prompts),
+    report = {"train": {**train_report, "config": asdict(cfg), "prompts": len(prompts), "questions": args.questions,
                         "tokens": sum(len(s) for s in sequences), "wall_s_total": time.perf_counter() - t0},
               "heldout": evals}
     with open(out / "eval.json", "w") as f:
         json.dump(report, f, indent=1)
     log(f"wrote {out}")
     return report
+
+
+def training_answers(target_dir: Path, args, log=print):
+    """The training chat prompts and the target's answers to them: the stdlib-built prompts, then
+    the everyday questions (each set cached on its own, so either can grow without the other)."""
+    from specd.train_drafter.prompts import training_prompts
+    from specd.train_drafter.questions import everyday_questions
+
+    prompts, sequences = [], []
+    for part in (training_prompts(args.prompts), everyday_questions(getattr(args, "questions", 0))):
+        if part:
+            prompts += part
+            sequences += _cached_answers(target_dir, part, args, log)
+    return prompts, sequences
 
 
 def _heldout_loss(head, examples, cfg) -> float:

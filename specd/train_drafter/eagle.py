@@ -272,15 +272,13 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
     from specd.engine.loader import load_model, read_arch_config
     from specd.proposers.hidden_state import HiddenStateProposer
     from specd.tokenizer import Tokenizer
-    from specd.train_drafter.command import _cached_answers
-    from specd.train_drafter.prompts import training_prompts
+    from specd.train_drafter.command import _cached_answers, training_answers
     from specd.workloads import WORKLOADS, workload
 
     t0 = time.perf_counter()
     cfg = EagleConfig(**({"epochs": args.epochs} if args.epochs else {}))
     tok = Tokenizer.from_dir(target_dir)
-    prompts = training_prompts(args.prompts)
-    seqs = _cached_answers(target_dir, prompts, args, log)
+    prompts, seqs = training_answers(target_dir, args, log)
     prompt_lens = [len(chat_prompt_ids(tok, m)) for m in prompts]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     feats = target_features(target, seqs, log)
@@ -306,7 +304,7 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
     from specd.train_drafter.eagle_card import finish
 
     finish(target_dir, out, args.threads, f"specd train-drafter --method eagle --threads {args.threads} "
-           f"--prompts {args.prompts} --out {out}")
+           f"--prompts {args.prompts} --questions {args.questions} --out {out}")
     for name, by_k in evals.items():
         a = by_k[4]
         log(f"{name}: k=4 alpha per position {[round(x, 3) for x in a['alpha_per_position']]}, "

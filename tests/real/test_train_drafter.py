@@ -10,7 +10,7 @@ import pytest
 from specd import model_store
 
 pytestmark = pytest.mark.timeout(1200)
-TINY = ["--prompts", "6", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1", "--threads", "1"]
+TINY = ["--prompts", "6", "--questions", "3", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1", "--threads", "1"]
 
 
 def _train(tmp_path, name: str):
