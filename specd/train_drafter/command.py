@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eagle: an EAGLE head on the target's hidden states, written to --out)")
     p.add_argument("--target", default=None, help="target model directory (default: the fetched default target)")
     p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct-drafter)")
-    p.add_argument("--prompts", type=int, default=3000,
+    p.add_argument("--prompts", type=int, default=640,
                    help="training prompts built from the stdlib and topic lists (prompts.py) the target answers")
     p.add_argument("--questions", type=int, default=3720,
                    help="everyday chat questions (questions.py) the target answers as well")

@@ -25,7 +25,7 @@ class DistillConfig:
     layers: tuple[int, ...] = (0, 1)  # target layers the drafter's layers start from
     topk: int = 64
     max_len: int = 512
-    epochs: int = 10
+    epochs: int = 2
     batch_tokens: int = 4096
     lr: float = 3e-3
     warmup: int = 20
