@@ -16,7 +16,7 @@ from specd.config import SpeculativeConfig
 from specd.kernels import tree_rejection_sampler as trs
 from specd.kernels.rejection_sampler import SpecDecodeMetadata
 from specd.proposers.combined import merge_trees
-from tree_helpers import perturbed_copy, record_tree_paths
+from drafter_helpers import perturbed_copy, record_tree_paths
 
 transformers = pytest.importorskip("transformers")
 

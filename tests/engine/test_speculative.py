@@ -12,20 +12,10 @@ import math
 import pytest
 import torch
 
+from drafter_helpers import perturbed_copy
 from specd import SamplingParams
 
 transformers = pytest.importorskip("transformers")
-
-
-def _perturbed_copy(src: str, dst, std: float, seed: int = 0) -> str:
-    """A drafter that agrees with the target often but not always: its weights plus noise."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(std * torch.randn_like(p))
-    model.save_pretrained(dst)
-    return str(dst)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +25,7 @@ def target(model_dirs) -> str:
 
 @pytest.fixture(scope="module")
 def drafter(target, tmp_path_factory) -> str:
-    return _perturbed_copy(target, tmp_path_factory.mktemp("drafter"), std=0.03)
+    return perturbed_copy(target, tmp_path_factory.mktemp("drafter"), scale=0.03)
 
 
 def _methods(target: str, drafter: str) -> dict[str, dict]:
@@ -130,7 +120,7 @@ def _tiny_vocab_pair(tmp_path_factory):
             p.normal_(0, 0.3)
     target = tmp_path_factory.mktemp("tiny16_target")
     model.save_pretrained(target)
-    drafter = _perturbed_copy(str(target), tmp_path_factory.mktemp("tiny16_drafter"), std=0.2)
+    drafter = perturbed_copy(str(target), tmp_path_factory.mktemp("tiny16_drafter"), scale=0.2)
     return str(target), drafter, model.eval()
 
 

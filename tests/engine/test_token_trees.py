@@ -19,7 +19,7 @@ from specd.engine.speculator import Speculator
 from specd.kernels import tree_rejection_sampler as trs
 from specd.kernels.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from specd.proposers.base import Proposal
-from tree_helpers import perturbed_copy, record_tree_paths
+from drafter_helpers import perturbed_copy, record_tree_paths
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,10 +1,10 @@
-"""Shared by the token-tree tests: a drafter near the target, and a record of verified trees."""
+"""Shared by the speculative and token-tree tests: a drafter near the target, a record of verified trees."""
 from __future__ import annotations
 
 import torch
 
 
-def perturbed_copy(target: str, out, seed: int, scale: float) -> str:
+def perturbed_copy(target: str, out, scale: float, seed: int = 0) -> str:
     """The target with seeded Gaussian noise on every weight, saved to out: a drafter that agrees
     with the target often, not always."""
     import transformers
