@@ -50,7 +50,9 @@ class HiddenStateProposer:
         head_dir = resolve_head_dir(model)
         cfg = read_config(head_dir)
         where = f"{method} checkpoint {model}"
-        pieces = load_target_pieces(target, embed=method in CHAIN_METHODS, lm_head=method == "eagle")
+        # specd's own medusa / mlp_speculator heads share the target's embeddings and LM head
+        pieces = load_target_pieces(target, embed=method in CHAIN_METHODS or cfg.get("specd_embeddings") == "target",
+                                    lm_head=method == "eagle" or cfg.get("specd_lm_head") == "target")
         self.arch = pieces.arch
         self.dtype = resolve_dtype(dtype, pieces.arch, self.device)
         L = pieces.arch.num_layers
@@ -71,13 +73,12 @@ class HiddenStateProposer:
 
             self.feature_layers = (L,)
             self.head = load_medusa(cfg, read_tensors(head_dir, FILES), pieces.arch.hidden_size,
-                                    pieces.arch.vocab_size, self.dtype, self.device, where)
+                                    pieces.arch.vocab_size, self.dtype, self.device, where, pieces.lm_head)
         else:
             from specd.proposers.heads.mlp_speculator import load_mlp_speculator
 
             self.feature_layers = (L,)
-            self.head = load_mlp_speculator(cfg, read_tensors(head_dir), pieces.arch.hidden_size,
-                                            pieces.arch.vocab_size, self.dtype, self.device, where)
+            self.head = load_mlp_speculator(cfg, read_tensors(head_dir), pieces, self.dtype, self.device, where)
         if any(not 0 <= i <= L for i in self.feature_layers):
             raise ValueError(f"{where}: feature layers {self.feature_layers} outside [0, {L}] for this target")
         self.max_k = min(num_speculative_tokens, getattr(self.head, "max_k", num_speculative_tokens))

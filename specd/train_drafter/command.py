@@ -19,12 +19,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 HELP = "train the draft model for a target by distillation (default: the default pair's drafter)"
+# method -> (module, its whole-run function) for the heads on the target's hidden states
+HEAD_TRAINERS = {"eagle3": ("specd.train_drafter.eagle3", "train_eagle3"),
+                 "medusa": ("specd.train_drafter.medusa", "train_medusa"),
+                 "mlp_speculator": ("specd.train_drafter.mlp_speculator", "train_mlp_speculator")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"],
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", *HEAD_TRAINERS],
                    help="what to train (draft_model: a few-layer model sharing the target's embeddings; "
-                        "eagle: an EAGLE head on the target's hidden states, written to --out)")
+                        "eagle, eagle3, medusa, mlp_speculator: a head on the target's hidden states, "
+                        "written to --out)")
     p.add_argument("--target", default=None, help="target model directory (default: the fetched default target)")
     p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct-drafter)")
     p.add_argument("--prompts", type=int, default=640,
@@ -47,6 +52,14 @@ def run(args) -> int:
 
     set_determinism(0, args.threads)
     target = Path(args.target) if args.target else fetch()[0]
+    if args.method in HEAD_TRAINERS:
+        import importlib
+
+        if not args.out:
+            raise SystemExit(f"--method {args.method} needs --out (the head's directory)")
+        module, function = HEAD_TRAINERS[args.method]
+        getattr(importlib.import_module(module), function)(target, Path(args.out), args)
+        return 0
     if args.method == "eagle":
         from specd.train_drafter.eagle import train_eagle
 

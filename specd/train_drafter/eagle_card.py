@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 
-def measure_cost(target_dir: Path, head_dir: Path, tokens: int = 64, k: int = 4, threads: int = 1) -> dict:
-    """Draft time per token (the serving proposer, one sequence, k-token chains after a one-token
+def measure_cost(target_dir: Path, head_dir: Path, tokens: int = 64, k: int = 4, threads: int = 1,
+                 method: str = "eagle") -> dict:
+    """Draft time per token (the serving proposer, one sequence, k drafts after a one-token
     delta, as in steady decoding) against the target's decode time per token on our engine,
     batch 1, float32, the same thread count, measured side by side."""
     from specd import LLM, SamplingParams
@@ -24,7 +25,7 @@ def measure_cost(target_dir: Path, head_dir: Path, tokens: int = 64, k: int = 4,
     llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     target_ms = (time.perf_counter() - t0) / tokens * 1e3
     del llm
-    proposer = HiddenStateProposer("eagle", str(head_dir), str(target_dir), num_speculative_tokens=k,
+    proposer = HiddenStateProposer(method, str(head_dir), str(target_dir), num_speculative_tokens=k,
                                    dtype="float32", device="cpu")
     width = proposer.hidden_size * len(proposer.feature_layers)
     gen = torch.Generator().manual_seed(0)

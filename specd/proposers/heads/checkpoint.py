@@ -131,3 +131,17 @@ def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...] | N
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     return t
+
+
+
+def draft_to_target(tensors: dict[str, torch.Tensor], draft_vocab: int, vocab: int, where: str) -> torch.Tensor:
+    """[draft_vocab] the target id of each draft index: from `d2t` offsets when the checkpoint has
+    them (EAGLE-3's convention: target id = draft id + d2t[draft id]), else the identity."""
+    ids = torch.arange(draft_vocab)
+    if "d2t" in tensors:
+        ids = ids + take(tensors, "d2t", (draft_vocab,), where).long()
+    elif draft_vocab != vocab:
+        raise ValueError(f"{where}: a draft vocabulary of {draft_vocab} ids needs d2t")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
+    return ids

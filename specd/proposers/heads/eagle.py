@@ -21,7 +21,7 @@ from torch import nn
 
 from specd.engine.model import RMSNorm
 from specd.engine.rotary import RotaryEmbedding
-from specd.proposers.heads.checkpoint import TargetPieces, layer_arch, take
+from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, layer_arch, take
 from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
 
 _SPECULATORS_NAMES = {"fusion_fc.": "fc.", "transformer.": "layers.0."}
@@ -105,9 +105,7 @@ def load_eagle(cfg: dict, tensors: dict[str, torch.Tensor], target: TargetPieces
     if "d2t" in tensors:
         # specd's extension (EAGLE-3's convention): score only a draft vocabulary, the rows d2t
         # names of the target's LM head. On a small target that head is most of a draft's cost.
-        from specd.proposers.heads.eagle3 import _draft_to_target
-
-        head.token_ids = _draft_to_target(tensors, tensors["d2t"].shape[0], target.arch.vocab_size, where)
+        head.token_ids = draft_to_target(tensors, tensors["d2t"].shape[0], target.arch.vocab_size, where)
         head.lm_head = target.lm_head.index_select(0, head.token_ids).contiguous()
     if tuple(head.embed_tokens.shape) != (target.arch.vocab_size, h):
         raise ValueError(f"{where}: embeddings of shape {tuple(head.embed_tokens.shape)}, expected "

@@ -21,7 +21,7 @@ from torch import nn
 
 from specd.engine.model import RMSNorm
 from specd.engine.rotary import RotaryEmbedding
-from specd.proposers.heads.checkpoint import TargetPieces, layer_arch, take
+from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, layer_arch, take
 from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
 
 
@@ -115,19 +115,9 @@ def load_eagle3(cfg: dict, tensors: dict[str, torch.Tensor], target: TargetPiece
     if tuple(head.embed_tokens.shape) != (target.arch.vocab_size, h):
         raise ValueError(f"{where}: embeddings of shape {tuple(head.embed_tokens.shape)}, expected "
                          f"{(target.arch.vocab_size, h)} (the head's hidden size must be the target's)")
-    head.token_ids = _draft_to_target(tensors, draft_vocab, target.arch.vocab_size, where)
+    head.token_ids = draft_to_target(tensors, draft_vocab, target.arch.vocab_size, where)
     head = head.to(device=device, dtype=dtype)
     head.token_ids = head.token_ids.to(device)
     head.rotary.build(device, dtype)
     return head.eval()
 
-
-def _draft_to_target(tensors, draft_vocab: int, vocab: int, where: str) -> torch.Tensor:
-    ids = torch.arange(draft_vocab)
-    if "d2t" in tensors:  # offsets: target id = draft id + d2t[draft id]
-        ids = ids + take(tensors, "d2t", (draft_vocab,), where).long()
-    elif draft_vocab != vocab:
-        raise ValueError(f"{where}: a draft vocabulary of {draft_vocab} ids needs d2t")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
-    return ids

@@ -13,6 +13,10 @@ tie_weights shares emb/head/ln across stages and proj across stages 1..n-1 (the 
 stage-1 tensors are read). scale_input normalises the target state first (no weight) and
 divides it by sqrt(2). state_weight = 0.5 ** (0.5 / n_predict), emb_weight =
 sqrt((1 - state_weight^2) * inner / 2).
+specd's own speculators (specd/train_drafter/mlp_speculator.py) store no `emb.*` or `head.*`:
+`specd_embeddings: "target"` and `specd_lm_head: "target"` in config.json share the target's
+embeddings and LM head (inner = emb_dim), the head restricted to the draft vocabulary that
+`d2t` names (EAGLE-3's offsets) when present.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.proposers.heads.checkpoint import strip_prefix, take
+from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, strip_prefix, take
 
 _EPS = 1e-6
 
@@ -33,12 +37,13 @@ def _ln(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor 
 
 
 class MLPSpeculator(nn.Module):
-    def __init__(self, emb_dim: int, inner_dim: int, vocab: int, n_predict: int, scale_input: bool):
+    def __init__(self, emb_dim: int, inner_dim: int, vocab: int, n_predict: int, scale_input: bool,
+                 head_vocab: int | None = None):
         super().__init__()
         self.emb = nn.ModuleList(nn.Embedding(vocab, inner_dim) for _ in range(n_predict))
         self.proj = nn.ModuleList(nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False)
                                   for i in range(n_predict))
-        self.head = nn.ModuleList(nn.Linear(inner_dim, vocab, bias=False) for _ in range(n_predict))
+        self.head = nn.ModuleList(nn.Linear(inner_dim, head_vocab or vocab, bias=False) for _ in range(n_predict))
         self.ln_weight = nn.ParameterList(nn.Parameter(torch.ones(inner_dim)) for _ in range(n_predict))
         self.ln_bias = nn.ParameterList(nn.Parameter(torch.zeros(inner_dim)) for _ in range(n_predict))
         self.scale_input = scale_input
@@ -46,6 +51,7 @@ class MLPSpeculator(nn.Module):
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner_dim / 2))
         self.max_k = n_predict
         self.feature_dim = emb_dim
+        self.token_ids: torch.Tensor | None = None  # head index -> target id (a draft vocabulary)
 
     def draft(self, rows: torch.Tensor, last_tokens: list[int], ks: list[int], pick) -> None:
         """Drafts from one state per sequence in one pass: stage i reads stage i-1's state and
@@ -62,9 +68,10 @@ class MLPSpeculator(nn.Module):
                                   device=state.device)
 
 
-def load_mlp_speculator(cfg: dict, tensors: dict[str, torch.Tensor], target_hidden: int, target_vocab: int,
-                        dtype: torch.dtype, device: torch.device, where: str) -> MLPSpeculator:
+def load_mlp_speculator(cfg: dict, tensors: dict[str, torch.Tensor], target: TargetPieces, dtype: torch.dtype,
+                        device: torch.device, where: str) -> MLPSpeculator:
     tensors = strip_prefix(tensors, "speculator.")
+    target_hidden, target_vocab = target.arch.hidden_size, target.arch.vocab_size
     emb_dim = int(cfg.get("emb_dim") or target_hidden)
     inner = int(cfg.get("inner_dim") or 0) or emb_dim
     vocab, n = int(cfg.get("vocab_size") or target_vocab), int(cfg.get("n_predict", 0))
@@ -73,15 +80,33 @@ def load_mlp_speculator(cfg: dict, tensors: dict[str, torch.Tensor], target_hidd
     if emb_dim != target_hidden or vocab != target_vocab:
         raise ValueError(f"{where}: built for hidden size {emb_dim} and {vocab} tokens; the target has "
                          f"{target_hidden} and {target_vocab}")
+    shared_emb, shared_head = cfg.get("specd_embeddings") == "target", cfg.get("specd_lm_head") == "target"
+    if (shared_emb or shared_head) and inner != emb_dim:
+        raise ValueError(f"{where}: the target's embeddings and LM head need inner_dim = emb_dim ({emb_dim})")
+    token_ids = draft_to_target(tensors, len(tensors["d2t"]), vocab, where) if shared_head and "d2t" in tensors \
+        else None
     tied = bool(cfg.get("tie_weights", False))
-    spec = MLPSpeculator(emb_dim, inner, vocab, n, bool(cfg.get("scale_input", False)))
+    spec = MLPSpeculator(emb_dim, inner, vocab, n, bool(cfg.get("scale_input", False)),
+                         None if token_ids is None else len(token_ids))
     for i in range(n):
         s = 0 if tied else i  # tied: one emb/head/ln for all stages
         p = min(i, 1) if tied else i  # tied: proj.0 from the target state, proj.1 for the rest
-        spec.emb[i].weight.data.copy_(take(tensors, f"emb.{s}.weight", (vocab, inner), where))
         spec.proj[i].weight.data.copy_(
             take(tensors, f"proj.{p}.weight", (inner, emb_dim if i == 0 else inner), where))
-        spec.head[i].weight.data.copy_(take(tensors, f"head.{s}.weight", (vocab, inner), where))
         spec.ln_weight[i].data.copy_(take(tensors, f"ln.{s}.weight", (inner,), where))
         spec.ln_bias[i].data.copy_(take(tensors, f"ln.{s}.bias", (inner,), where))
-    return spec.to(device=device, dtype=dtype).eval()
+        if shared_emb:  # one module for every stage: the target's rows are held once
+            spec.emb[i] = spec.emb[0]
+        if i == 0 or not shared_emb:
+            spec.emb[i].weight.data.copy_(target.embed_tokens if shared_emb else
+                                          take(tensors, f"emb.{s}.weight", (vocab, inner), where))
+        if shared_head:
+            spec.head[i] = spec.head[0]
+        if i == 0 or not shared_head:
+            rows = None if not shared_head else \
+                target.lm_head if token_ids is None else target.lm_head[token_ids]
+            spec.head[i].weight.data.copy_(rows if shared_head else
+                                           take(tensors, f"head.{s}.weight", (vocab, inner), where))
+    spec = spec.to(device=device, dtype=dtype).eval()
+    spec.token_ids = None if token_ids is None else token_ids.to(device)
+    return spec
