@@ -41,7 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP = [{"role": "user", "content": "Say hello in five words."}]  # in no workload (suffix caches answers)
-METHODS = ("draft_model", "ngram", "suffix", "eagle", "combined")
+METHODS = ("draft_model", "ngram", "suffix", "eagle", "combined", "eagle3", "medusa", "mlp_speculator",
+           "draft_model_tree")
+HEADS = ("eagle", "eagle3", "medusa", "mlp_speculator")  # trained heads: models/SmolLM2-135M-Instruct-<method>
 WORKLOADS = ("chat", "code_edit", "summarize")
 STAGES = ("offline", "http", "peers")
 T0 = time.monotonic()
@@ -72,8 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", type=csv(str), default=list(WORKLOADS))
     ap.add_argument("--methods", type=csv(str), default=None,
                     help="default: draft_model, ngram, suffix, and eagle where an EAGLE head is found")
-    ap.add_argument("--eagle", default=None,
-                    help="EAGLE head directory (default: models/SmolLM2-135M-Instruct-eagle when it exists)")
+    ap.add_argument("--head", action="append", default=[], metavar="METHOD=DIR",
+                    help="a hidden-state head's directory (default: models/SmolLM2-135M-Instruct-<method> where it "
+                         "exists, e.g. -eagle, -eagle3, -medusa, -mlp-speculator)")
     ap.add_argument("--batches", type=csv(int), default=[1, 8])
     ap.add_argument("--temps", type=csv(float), default=[0.0, 0.7])
     ap.add_argument("--http-batches", type=csv(int), default=None, help="default: --batches")
@@ -110,12 +113,14 @@ def parse_args(argv=None):
 
     args.target = str(args.target or model_store.target_dir())
     args.drafter = str(args.drafter or model_store.drafter_dir())
-    committed_eagle = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
-    args.eagle = args.eagle or (str(committed_eagle) if (committed_eagle / "config.json").is_file() else None)
+    models = Path(__file__).resolve().parents[1] / "models"
+    args.heads = {m: str(models / f"SmolLM2-135M-Instruct-{m.replace('_', '-')}") for m in HEADS
+                  if (models / f"SmolLM2-135M-Instruct-{m.replace('_', '-')}" / "config.json").is_file()}
+    args.heads.update(dict(h.split("=", 1) for h in args.head))
     if args.methods is None:
-        args.methods = [m for m in METHODS if m not in ("eagle", "combined") or (m == "eagle" and args.eagle)]
-    if "eagle" in args.methods and not args.eagle:
-        ap.error("method eagle needs --eagle (an EAGLE head: specd train-drafter --method eagle)")
+        args.methods = ["draft_model", "ngram", "suffix"] + (["eagle"] if "eagle" in args.heads else [])
+    for m in set(args.methods) & set(HEADS) - set(args.heads):
+        ap.error(f"method {m} needs --head {m}=DIR (a head: specd train-drafter --method {m})")
     for what in ("target", "drafter"):
         if not (Path(getattr(args, what)) / "config.json").is_file():
             ap.error(f"--{what} {getattr(args, what)}: no config.json (run `specd models fetch`, or pass --{what})")
@@ -175,11 +180,15 @@ def instrument(llm) -> StepLog:
 
 
 def spec_config(method: str, k: int, temperature: float, drafter: str, dtype: str = "auto",
-                eagle: str | None = None, target: str | None = None) -> dict:
+                heads: dict[str, str] | None = None, target: str | None = None) -> dict:
+    tree = method == "draft_model_tree"  # draft_model's token trees (dynamic where greedy)
+    method = "draft_model" if tree else method
     cfg = {"method": method, "num_speculative_tokens": k, "adaptive": False}
-    if method in ("draft_model", "eagle"):
-        cfg["model"] = drafter if method == "draft_model" else eagle
-        if method == "eagle":
+    if tree:
+        cfg["tree"] = {"branching": [2, 2, 2, 2], "dynamic": temperature == 0, "max_nodes": 8}
+    if method == "draft_model" or method in HEADS:
+        cfg["model"] = drafter if method == "draft_model" else heads[method]
+        if method in HEADS:
             cfg["target_model"] = target
         cfg["draft_dtype"] = dtype  # the drafter runs in the target's dtype
         if temperature > 0:
@@ -261,7 +270,7 @@ def offline_stage(args, prompts: dict) -> list[dict]:
                 runs = []
                 for method in args.methods:
                     for k in args.k:
-                        cfg = spec_config(method, k, temp, args.drafter, args.dtype, args.eagle, args.target)
+                        cfg = spec_config(method, k, temp, args.drafter, args.dtype, args.heads, args.target)
                         key = (method, k, cfg.get("draft_sample_method"))
                         runs.append((method, k, offline_run(*get(key, cfg), reqs, batch, temp, args.max_tokens)))
                         if method == "suffix":  # its global cache of answers must not outlive the run
@@ -436,7 +445,8 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.target, args.workloads, max(args.prompts, *batches))
     result = {"machine": machine_info(args.threads, dtype=args.dtype),
               "command": "python bench/real_pair.py " + shlex.join(argv),
-              "models": {"target": args.target, "drafter": args.drafter},
+              "models": {"target": args.target, "drafter": args.drafter,
+                         "heads": {m: args.heads[m] for m in args.methods if m in args.heads}},
               "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
               "offline": [], "http": [], "batch32": [], "peers": [], "notes": []}
     log(f"{args.target} + {args.drafter}; prompts per workload {args.prompts}, max tokens {args.max_tokens}, "

@@ -28,9 +28,16 @@ DRAFTER_OPTIONS = {  # what the offline rows use, as drafter-side options
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {},
     "eagle": {"draft_sample_method": "sampled"},
+    "eagle3": {"draft_sample_method": "sampled"},
+    "medusa": {"draft_sample_method": "sampled"},
+    "mlp_speculator": {"draft_sample_method": "sampled"},
+    # draft_model drafting EAGLE-2 style dynamic token trees (greedy drafts, verified one-hot) instead of chains
+    "draft_model_tree": {"tree": {"branching": [2, 2, 2, 2], "dynamic": True, "max_nodes": 8}},
     # one tree from the draft model's chain and suffix's match (the drafter is filled in below)
     "combined": {"members": [{"method": "draft_model", "draft_sample_method": "sampled"}, {"method": "suffix"}]},
 }
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")  # read the target's hidden states
+VARIANT_OF = {"draft_model_tree": "draft_model"}  # bench name -> the drafter's --method
 
 
 def free_port() -> int:
@@ -43,9 +50,9 @@ class Services:
     """Drafters + verifier + gateway as child processes; a context manager that always cleans up."""
 
     def __init__(self, target: str, drafter: str, methods: list[str], threads: int, dtype: str, max_k: int,
-                 propose_timeout_ms: float | None = None, eagle: str | None = None):
+                 propose_timeout_ms: float | None = None, heads: dict[str, str] | None = None):
         self.target, self.drafter, self.methods, self.threads, self.dtype = target, drafter, methods, threads, dtype
-        self.eagle = eagle
+        self.heads = heads or {}  # method -> head directory
         self.max_k, self.propose_timeout_ms = max_k, propose_timeout_ms
         self.stack = Stack()
         self.ports = {m: free_port() for m in methods}
@@ -54,13 +61,13 @@ class Services:
         self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
 
     def _drafter_argv(self, method: str) -> list[str]:
-        argv = ["drafter", "--method", method, "--name", method, "--port", str(self.ports[method]),
-                "--metrics-port", "0", "--threads", str(self.threads), "--log-level", "warning",
-                "--num-speculative-tokens", str(max(8, self.max_k))]
-        if method == "draft_model":
+        argv = ["drafter", "--method", VARIANT_OF.get(method, method), "--name", method,
+                "--port", str(self.ports[method]), "--metrics-port", "0", "--threads", str(self.threads),
+                "--log-level", "warning", "--num-speculative-tokens", str(max(8, self.max_k))]
+        if VARIANT_OF.get(method, method) == "draft_model":
             argv += ["--model", self.drafter, "--dtype", self.dtype]
-        elif method == "eagle":
-            argv += ["--model", self.eagle, "--target", self.target, "--dtype", self.dtype]
+        elif method in HEAD_METHODS:
+            argv += ["--model", self.heads[method], "--target", self.target, "--dtype", self.dtype]
         options = DRAFTER_OPTIONS[method]
         if method == "combined":
             argv += ["--dtype", self.dtype]
@@ -156,7 +163,9 @@ def metrics_delta(before: dict, after: dict, drafter: str) -> dict:
     steps = d.get("specd_verifier_step_seconds_count", 0.0)
     prefix = "specd_spec_decode_num_draft_tokens_total{drafter="
     by_drafter = {k[len(prefix):-1]: int(v) for k, v in d.items() if k.startswith(prefix) and v}
+    feature_bytes = d.get(f"specd_verifier_propose_feature_bytes_total{{drafter={drafter}}}", 0.0)
     return {"accepted_per_pos": per_pos, "round_trips": int(rtt_n), "draft_tokens_by_drafter": by_drafter,
+            "feature_bytes": int(feature_bytes),
             "rtt_ms": 1e3 * rtt_s / rtt_n if rtt_n else None,
             "steps": int(steps),
             "step_ms": 1e3 * d.get("specd_verifier_step_seconds_sum", 0.0) / steps if steps else None}
@@ -205,7 +214,7 @@ def http_stage(args, prompts: dict, requests_for, log) -> tuple[list[dict], list
     rows, b32_rows, notes = [], [], []
     base = {"stage": "http", "threads": args.threads, "dtype": args.dtype, "max_tokens": args.max_tokens}
     with Services(args.target, args.drafter, args.methods, args.threads, args.dtype, max(args.k + [args.http_k]),
-                  args.propose_timeout_ms, args.eagle) as svc:
+                  args.propose_timeout_ms, args.heads) as svc:
         client = Client(svc.base_url)
         warm = [{"messages": [{"role": "user", "content": "Say hello in five words."}], "seed": 0}]
         for m in [None, *args.methods]:
@@ -277,6 +286,9 @@ def _spec_row(cell: dict, method: str, k: int, runs: list[dict], ratios: list[fl
            "mean_accepted_len": accepted / drafts if drafts else 0.0, "E": 1 + accepted / drafts if drafts else 1.0,
            "alpha_per_pos": [a / n if n else None for a, n in zip(per_pos, reached)],
            "rtt_ms": statistics.fmean(rtts) if rtts else None,
+           # the target's hidden states shipped per propose round trip (hidden-state heads only)
+           "feature_bytes_per_step": sum(d.get("feature_bytes", 0) for d in deltas) / max(
+               1, sum(d["round_trips"] for d in deltas)),
            "step_ms": statistics.fmean([d["step_ms"] for d in deltas if d["step_ms"] is not None] or [0.0])}
     if plains is not None:  # greedy: the text must equal plain decoding's (lossless)
         row["greedy_mismatches"] = sum(a != b for r in runs for a, b in zip(r["texts"], plains[0]["texts"]))

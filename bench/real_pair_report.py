@@ -45,7 +45,7 @@ def render(r: dict, png: str) -> str:
              f"Command: `{r['command']}`", "",
              f"Target: `{r['models']['target']}`. Drafter: `{r['models']['drafter']}`"
              + ("" if r["models"]["drafter"] == str(model_store.drafter_dir()) else " (**not the default drafter**)")
-             + ".", f"Workloads (held out, specd.workloads): {', '.join(s['workloads'])}; {s['prompts']} prompts each, "
+             + "." + "".join(f" {m}: `{d}`." for m, d in r["models"].get("heads", {}).items()), f"Workloads (held out, specd.workloads): {', '.join(s['workloads'])}; {s['prompts']} prompts each, "
              f"max {s['max_tokens']} new tokens (EOS ends a request); temperature > 0 is seeded per request. "
              f"Offline k: {', '.join(map(str, s['k']))} (fixed, controller off); HTTP k: {s['http_k']}.", ""]
     http = [x for x in r["http"] if x["method"] != "plain"]
@@ -91,17 +91,22 @@ def render(r: dict, png: str) -> str:
                   "Batch 8: 8 requests in flight. α per pos from the verifier's per-position counters; RTT: the "
                   "verifier's propose round trip (drafting included); step: mean verifier step (prefill included). "
                   "drafted elsewhere: draft tokens the verifier took from another drafter while the named one was "
-                  "unhealthy (missed propose deadlines): such a row mixes drafters.",
+                  "unhealthy (missed propose deadlines): such a row mixes drafters. E = 1 + accepted per drafting "
+                  "step is the ideal speedup (drafting and verifying k + 1 tokens as cheap as a plain step); "
+                  "meas/ideal = median ratio / E. features: bytes of the target's hidden states the verifier sent "
+                  "per propose round trip (hidden-state heads; counted by the verifier), whose cost is inside RTT.",
                   "", "| workload | batch | sampling | drafter | k | tok/s | plain tok/s | median ratio | "
                   "every ratio | "
-                  "acceptance | α per pos | E | RTT ms | step ms | greedy text = | drafted elsewhere |",
-                  "|" + "---|" * 16]
+                  "acceptance | α per pos | E | meas/ideal | RTT ms | features B/step | step ms | greedy text = | "
+                  "drafted elsewhere |",
+                  "|" + "---|" * 18]
         for x in http:
             mism = x.get("greedy_mismatches")
             lines.append(f"| {x['workload']} | {x['batch']} | {_t(x['temperature'])} | {x['method']} | {x['k']} | "
                          f"{x['tok_s']:.1f} | {x['plain_tok_s']:.1f} | {x['ratio']:.3f} | "
                          f"{', '.join(f'{v:.2f}' for v in x['ratios'])} | {x['acceptance_rate']:.2f} | "
-                         f"{_pos(x['alpha_per_pos'])} | {x['E']:.2f} | {_f(x['rtt_ms'])} | {_f(x['step_ms'])} | "
+                         f"{_pos(x['alpha_per_pos'])} | {x['E']:.2f} | {x['ratio'] / x['E']:.2f} | "
+                         f"{_f(x['rtt_ms'])} | {x.get('feature_bytes_per_step', 0):,.0f} | {_f(x['step_ms'])} | "
                          f"{'-' if mism is None else ('yes' if mism == 0 else f'**{mism} differ**')} | "
                          f"{_elsewhere(x)} |")
         lines.append("")

@@ -227,16 +227,19 @@ class DrafterPool:
         # Every message stays under MAX_FEATURE_BYTES of features: each sequence gets its share.
         budget = MAX_FEATURE_BYTES // max(1, len(requests))
         pieces = [wire_pieces(r, client.feature_layers, budget) for r in requests]
+        feature_bytes = 0
         try:
             # A long history whose features exceed its share goes first, in k = 0 pieces.
             for depth in range(max(len(p) for p in pieces) - 1):
                 lead = drafter_pb2.ProposeBatch(client_id=self.client_id)
                 for p in pieces:
                     if depth < len(p) - 1:
-                        _add_entry(lead, p[depth], 0)
+                        feature_bytes += _add_entry(lead, p[depth], 0)
                 await client.round_trip(lead)
             for p in pieces:
-                _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
+                feature_bytes += _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
+            if self.metrics is not None and feature_bytes:
+                self.metrics.propose_feature_bytes.labels(client.name).inc(feature_bytes)
             reply = await client.round_trip(batch)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — timeout, dead drafter, broken stream
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
@@ -273,14 +276,17 @@ class DrafterPool:
         return out
 
 
-def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> None:
+def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> int:
+    """Add r to the batch; the bytes of target features it carries."""
     entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
                               full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
                               temperature=r.temperature)
     if r.seed is not None:
         entry.seed = r.seed
-    if r.features is not None:
-        tensor_to_proto(r.features, entry.features)
+    if r.features is None:
+        return 0
+    tensor_to_proto(r.features, entry.features)
+    return len(entry.features.data)
 
 
 def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | None = None) -> list[ProposeRequest]:

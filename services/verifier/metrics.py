@@ -51,6 +51,9 @@ class VerifierMetrics:
                                         ["drafter", "position"], registry=r)
         self.propose_rtt = Histogram("specd_verifier_propose_rtt_seconds", "Propose round trip per drafter",
                                      labels, buckets=RTT_BUCKETS, registry=r)
+        self.propose_feature_bytes = Counter("specd_verifier_propose_feature_bytes",
+                                             "Bytes of the target's hidden states sent to each drafter", labels,
+                                             registry=r)
         self.prompt_tokens = Counter("specd_verifier_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter("specd_verifier_generation_tokens", "Tokens generated (emitted)",

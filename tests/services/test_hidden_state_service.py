@@ -9,7 +9,9 @@ a head built for another target is refused at registration with a clear error.
 """
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -62,14 +64,30 @@ def generate(stub, prompt, drafter: str) -> list[int]:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def feature_bytes(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {s.labels["drafter"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "specd_verifier_propose_feature_bytes_total"}
+
+
 def test_eagle_and_eagle3_drafter_services_keep_greedy_output(launcher, heads, prompts, plain, tmp_path):
     e1 = launcher.start("drafter-eagle", "drafter", ["--method", "eagle", "--name", "e1", "--model", heads["eagle"],
                                                      "--target", TARGET, "--dtype", "float32"])
     e3 = launcher.start("drafter-eagle3", "drafter", ["--method", "eagle3", "--name", "e3", "--model",
                                                       heads["eagle3"], "--target", TARGET, "--dtype", "float32"])
+    metrics_port = free_port()
     verifier = launcher.start("verifier", "verifier", ["--model", TARGET, "--dtype", "float32", "--drafter",
                                                        f"e1={e1.address}", "--drafter", f"e3={e3.address}",
-                                                       "--propose-timeout-ms", "5000"])
+                                                       "--propose-timeout-ms", "5000",
+                                                       "--metrics-port", str(metrics_port)])
     stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
     for _ in range(300):
         listed = {d.name: d for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=10).drafters}
@@ -85,6 +103,14 @@ def test_eagle_and_eagle3_drafter_services_keep_greedy_output(launcher, heads, p
     for name in ("e1", "e3"):
         assert listed[name].draft_tokens > 0, f"{name} never drafted: {listed[name]}"
         assert listed[name].healthy and listed[name].violations == 0
+
+    # The feature bytes each drafter was sent, from the verifier's Prometheus exposition: every
+    # committed token's row once (float32, one hidden-size row per layer), three layers for EAGLE-3.
+    sent = feature_bytes(metrics_port)
+    row = 4 * transformers.AutoConfig.from_pretrained(TARGET).hidden_size
+    assert sent["e1"] % row == 0 and sum(len(p) - 1 for p in prompts) <= sent["e1"] // row <= sum(
+        len(p) + MAX_TOKENS for p in prompts), sent
+    assert sent["e3"] == 3 * sent["e1"], sent
 
     # A head written for another target (hidden size 32, 8 layers) is refused by name.
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
