@@ -16,13 +16,16 @@ with the target's weights fingerprint (specd/engine/fingerprint.py) in config.js
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# shared with the other heads' trainers (and imported from here by name)
+from specd.train_drafter.head_training import acceptance, d2t, draft_vocabulary, target_features  # noqa: F401
+from specd.train_drafter.head_training import train as train_loop
 
 
 @dataclass(frozen=True)
@@ -39,30 +42,6 @@ class EagleConfig:
     # shared 49,152-row head would be most of a draft's cost. Serving-time only (d2t in the checkpoint).
     draft_vocab: int = 16384
     seed: int = 0
-
-
-@torch.inference_mode()
-def target_features(target, sequences: list[torch.Tensor], log=print, batch: int = 8) -> list[torch.Tensor]:
-    """The target's final normed hidden state at every position of each sequence, bfloat16."""
-    out, t0, done = [], time.perf_counter(), 0
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # little padding per batch
-    feats: dict[int, torch.Tensor] = {}
-    for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
-        n = max(len(sequences[i]) for i in idx)
-        ids = torch.zeros(len(idx), n, dtype=torch.long)
-        mask = torch.zeros(len(idx), n, dtype=torch.long)
-        for b, i in enumerate(idx):
-            ids[b, :len(sequences[i])] = sequences[i]
-            mask[b, :len(sequences[i])] = 1
-        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state  # right padding: valid rows exact
-        for b, i in enumerate(idx):
-            feats[i] = hidden[b, :len(sequences[i])].to(torch.bfloat16).clone()
-        done += int(mask.sum())
-        if (start // batch) % 50 == 0:
-            log(f"features {start + len(idx)}/{len(order)}: {done / (time.perf_counter() - t0):.0f} tok/s")
-    out = [feats[i] for i in range(len(sequences))]
-    return out
 
 
 class EagleTrainHead(nn.Module):
@@ -113,19 +92,6 @@ class EagleTrainHead(nn.Module):
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
 
 
-def _batches(n_tokens: list[int], cfg: EagleConfig, gen: torch.Generator):
-    order = torch.randperm(len(n_tokens), generator=gen).tolist()
-    batch, size = [], 0
-    for i in order:
-        if batch and size + n_tokens[i] > cfg.batch_tokens:
-            yield batch
-            batch, size = [], 0
-        batch.append(i)
-        size += n_tokens[i]
-    if batch:
-        yield batch
-
-
 def _loss(head: EagleTrainHead, seqs, feats, prompt_lens, batch: list[int], cfg: EagleConfig, std: float,
           gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, top-1 agreement with the target) over the batch's pairs."""
@@ -159,53 +125,9 @@ def _loss(head: EagleTrainHead, seqs, feats, prompt_lens, batch: list[int], cfg:
 
 
 def train(head: EagleTrainHead, seqs, feats, prompt_lens, cfg: EagleConfig, log=print) -> dict:
-    gen = torch.Generator().manual_seed(cfg.seed)
-    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
     std = float(torch.cat([f[:64].float() for f in feats[:256]]).std())
-    n_tokens = [len(s) for s in seqs]
-    params = [p for p in head.parameters() if p.requires_grad]
-    total = sum(1 for _ in _batches(n_tokens, cfg, torch.Generator().manual_seed(0))) * cfg.epochs
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
-
-    def lr_at(step):
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, total - cfg.warmup))))
-
-    head.train()
-    step, t0, history = 0, time.perf_counter(), []
-    for epoch in range(cfg.epochs):
-        losses, agrees = [], []
-        for batch in _batches(n_tokens, cfg, gen):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss, agree = _loss(head, seqs, feats, prompt_lens, batch, cfg, std, noise_gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(loss.item())
-            agrees.append(agree.item())
-            step += 1
-            if step % 25 == 0:  # losses restart each epoch: the window may be shorter than 25
-                recent = min(25, len(losses))
-                log(f"step {step}/{total}: loss {sum(losses[-recent:]) / recent:.4f}, top-1 agreement "
-                    f"{sum(agrees[-recent:]) / recent:.3f} ({time.perf_counter() - t0:.0f} s)")
-        history.append({"loss": sum(losses) / len(losses), "top1_agreement": sum(agrees) / len(agrees)})
-        log(f"epoch {epoch + 1}/{cfg.epochs}: {history[-1]} ({time.perf_counter() - t0:.0f} s)")
-    head.eval()
-    return {"steps": step, "epochs": history, "wall_s": time.perf_counter() - t0}
-
-
-def draft_vocabulary(seqs, prompt_lens, size: int, vocab: int) -> torch.Tensor | None:
-    """The `size` ids most frequent in the answers (ties by id), sorted; None for all."""
-    if not size or size >= vocab:
-        return None
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for seq, pl in zip(seqs, prompt_lens):
-        counts += torch.bincount(seq[pl:].long(), minlength=vocab)
-    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:size]))
+    return train_loop(head, lambda batch, noise_gen: _loss(head, seqs, feats, prompt_lens, batch, cfg, std, noise_gen),
+                      [len(s) for s in seqs], cfg, log)
 
 
 def save(head: EagleTrainHead, target, out, fingerprint: str, cfg: EagleConfig,
@@ -218,47 +140,13 @@ def save(head: EagleTrainHead, target, out, fingerprint: str, cfg: EagleConfig,
     out.mkdir(parents=True, exist_ok=True)
     state = head.state_for_checkpoint()
     if draft_ids is not None:  # EAGLE-3's convention: target id = draft id + d2t[draft id]
-        state["d2t"] = (draft_ids - torch.arange(len(draft_ids))).contiguous()
+        state["d2t"] = d2t(draft_ids)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = target.config.to_dict()
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
                   specd_target_fingerprint=fingerprint, specd_eagle={"recipe": "EAGLE-1", **asdict(cfg)})
     config.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-@torch.inference_mode()
-def acceptance(proposer, seqs, feats, prompt_lens, k: int) -> dict:
-    """Greedy speculation replayed through the serving proposer on the target's own greedy
-    answers: after the prefill (prompt + the target's first token) each step sends the newly
-    committed tokens with the rows that predicted them, as the verifier does; the drafts are
-    accepted while they equal the answer, then the answer's next token is committed too."""
-    from specd.proposers.base import ProposeRequest
-
-    accepted_at, offered_at = [0] * k, [0] * k
-    steps = tokens = 0
-    for sid, (seq, f, pl) in enumerate(zip(seqs, feats, prompt_lens)):
-        ids, n = seq.tolist(), len(seq)
-        done, c = 0, pl + 1
-        while c < n:
-            full = done == 0
-            req = ProposeRequest(seq_id=sid, new_tokens=ids[done:c], num_tokens=c, k=min(k, n - c), full_history=full,
-                                 features=f[0 if full else done - 1: c - 1], feature_layers=proposer.feature_layers)
-            drafts = proposer.propose([req])[0].token_ids
-            j = 0
-            while j < len(drafts) and drafts[j] == ids[c + j]:
-                j += 1
-            for pos in range(min(j + 1, len(drafts))):  # offered: every earlier draft was accepted
-                offered_at[pos] += 1
-            for pos in range(j):
-                accepted_at[pos] += 1
-            steps += 1
-            tokens += min(j + 1, n - c)
-            done, c = c, c + j + 1
-        proposer.release([sid])
-    alpha = [a / o if o else 0.0 for a, o in zip(accepted_at, offered_at)]
-    return {"k": k, "alpha_per_position": alpha, "tokens_per_step": tokens / max(1, steps),
-            "alpha": sum(accepted_at) / max(1, sum(offered_at))}
 
 
 def train_eagle(target_dir, out, args, log=print) -> dict:
