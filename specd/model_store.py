@@ -56,6 +56,15 @@ def drafter_dir() -> Path:
     return models_cache() / DRAFTER_NAME
 
 
+def committed_head_dir(method: str) -> Path | None:
+    """The trained head of `method` (eagle, eagle3, medusa, mlp_speculator) for the default target,
+    as committed in the repository (or $SPECD_MODELS_DIR); None where there is none."""
+    from specd.demo_paths import models_root
+
+    head = models_root() / f"{TARGET_NAME}-{method.replace('_', '-')}"
+    return head if (head / "config.json").is_file() else None
+
+
 def committed_drafter_dir() -> Path:
     """The drafter's layers as committed in the repository (or $SPECD_MODELS_DIR)."""
     from specd.demo_paths import models_root

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix", *HEAD_METHODS, "combined"])
     p.add_argument("--model", default=None,
                    help="draft model directory or hub id (draft_model; default: the trained drafter of the default "
-                        "target, fetched once), or the head's checkpoint (eagle, eagle3, medusa, mlp_speculator)")
+                        "target, fetched once), or the head's checkpoint (eagle, eagle3, medusa, mlp_speculator; "
+                        "default for the default target: its trained head in models/)")
     p.add_argument("--target", default=None,
                    help="hidden-state heads: the target model they draft for (directory, hub id or GGUF; default: "
                         "the default target, fetched once): its layer count and hidden size, and EAGLE's "
@@ -101,7 +102,8 @@ def build_proposer(args):
 
 def _with_defaults(options, method: str | None, args):
     """A proposer's options with the service's defaults filled in: the default drafter for
-    draft_model, the target (--target, or the default one) for heads, --dtype."""
+    draft_model, the target (--target, or the default one) for heads and, for the default
+    target, its committed trained head, --dtype."""
     if not isinstance(options, dict):
         return options  # SpeculativeConfig names what is wrong
     options = dict(options)
@@ -113,6 +115,11 @@ def _with_defaults(options, method: str | None, args):
         from specd.model_store import default_target
 
         options["target_model"] = args.target or default_target()
+        if options.get("model") is None and args.target is None:
+            from specd.model_store import committed_head_dir
+
+            head = committed_head_dir(method)
+            options["model"] = None if head is None else str(head)
     if args.dtype is not None and method in ("draft_model", *HEAD_METHODS):
         options["draft_dtype"] = args.dtype
     return options
