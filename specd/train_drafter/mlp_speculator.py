@@ -71,16 +71,15 @@ class MLPSpeculatorTrain(nn.Module):
 
     def loss(self, seqs, final, prompt_lens, batch, cfg: MLPSpeculatorConfig):
         inp, toks, goal, w = ht.ahead_targets(seqs, final, prompt_lens, batch, cfg.n_predict - 1, cfg.prompt_weight)
-        total, norm = 0.0, 0.0
+        total, norm, agree = 0.0, 0.0, []
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = self.stages(inp, toks)
-            for a, lg in enumerate(logits):
+            for a, logits in enumerate(self.stages(inp, toks)):
                 with torch.no_grad():
                     goal_logits = goal[:, a] @ self.lm_rows.T
-                loss, ag = ht.distill_loss(lg, goal_logits, w[:, a])
+                loss, ag = ht.distill_loss(logits, goal_logits, w[:, a])
                 total, norm = total + cfg.decay ** a * loss, norm + cfg.decay ** a
-                agree = ag if a == 0 else agree
-        return total / norm, agree
+                agree.append(ag)
+        return total / norm, agree[0]  # the first draft's agreement, as the other heads report
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         state = {f"proj.{a}.weight": p.weight for a, p in enumerate(self.proj)}
