@@ -26,6 +26,7 @@ from torch import nn
 # shared with the other heads' trainers (and imported from here by name)
 from specd.train_drafter.head_training import acceptance, d2t, draft_vocabulary, target_features  # noqa: F401
 from specd.train_drafter.head_training import train as train_loop
+from specd.train_drafter.head_training import write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -132,21 +133,16 @@ def train(head: EagleTrainHead, seqs, feats, prompt_lens, cfg: EagleConfig, log=
 
 def save(head: EagleTrainHead, target, out, fingerprint: str, cfg: EagleConfig,
          draft_ids: torch.Tensor | None = None) -> None:
-    import json
     from dataclasses import asdict
 
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     state = head.state_for_checkpoint()
     if draft_ids is not None:  # EAGLE-3's convention: target id = draft id + d2t[draft id]
         state["d2t"] = d2t(draft_ids)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = target.config.to_dict()
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
                   specd_target_fingerprint=fingerprint, specd_eagle={"recipe": "EAGLE-1", **asdict(cfg)})
     config.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_checkpoint(out, "model.safetensors", state, config)
 
 
 def train_eagle(target_dir, out, args, log=print) -> dict:

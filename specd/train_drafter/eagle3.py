@@ -174,24 +174,18 @@ class Eagle3TrainHead(nn.Module):
 
 def save(head: Eagle3TrainHead, target_config, out, fingerprint: str, cfg: Eagle3Config, aux: tuple[int, ...],
          draft_ids: torch.Tensor) -> None:
-    import json
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     state = head.state_for_checkpoint()
     state["d2t"] = ht.d2t(draft_ids)
     t2d = torch.zeros(target_config.vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
     state["t2d"] = t2d
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = target_config.to_dict()
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], torch_dtype="bfloat16",
                   draft_vocab_size=len(draft_ids), target_hidden_size=target_config.hidden_size,
                   eagle_aux_hidden_state_layer_ids=list(aux), specd_target_fingerprint=fingerprint,
                   specd_eagle3={"recipe": "EAGLE-3 with training-time test", **asdict(cfg)})
     config.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    ht.write_checkpoint(out, "model.safetensors", state, config)
 
 
 def train_eagle3(target_dir, out, args, log=print) -> dict:

@@ -2,46 +2,11 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
 
-
-def measure_cost(target_dir: Path, head_dir: Path, tokens: int = 64, k: int = 4, threads: int = 1,
-                 method: str = "eagle") -> dict:
-    """Draft time per token (the serving proposer, one sequence, k drafts after a one-token
-    delta, as in steady decoding) against the target's decode time per token on our engine,
-    batch 1, float32, the same thread count, measured side by side."""
-    from specd import LLM, SamplingParams
-    from specd.proposers.base import ProposeRequest
-    from specd.proposers.hidden_state import HiddenStateProposer
-
-    torch.set_num_threads(threads)
-    llm = LLM(str(target_dir), dtype="float32")
-    prompt = [{"prompt_token_ids": list(range(1000, 1200))}]
-    llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))  # warm-up
-    t0 = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    target_ms = (time.perf_counter() - t0) / tokens * 1e3
-    del llm
-    proposer = HiddenStateProposer(method, str(head_dir), str(target_dir), num_speculative_tokens=k,
-                                   dtype="float32", device="cpu")
-    width = proposer.hidden_size * len(proposer.feature_layers)
-    gen = torch.Generator().manual_seed(0)
-    ids = list(range(1000, 1200))
-    proposer.propose([ProposeRequest(seq_id=0, new_tokens=ids, num_tokens=len(ids), k=k, full_history=True,
-                                     features=torch.randn(len(ids) - 1, width, generator=gen),
-                                     feature_layers=proposer.feature_layers)])
-    t0 = time.perf_counter()
-    for i in range(tokens // k):
-        ids.append(1000 + i)
-        proposer.propose([ProposeRequest(seq_id=0, new_tokens=ids[-1:], num_tokens=len(ids), k=k,
-                                         features=torch.randn(1, width, generator=gen),
-                                         feature_layers=proposer.feature_layers)])
-    draft_ms = (time.perf_counter() - t0) / (tokens // k * k) * 1e3
-    return {"draft_ms_per_token": draft_ms, "target_ms_per_token": target_ms, "ratio": draft_ms / target_ms,
-            "k": k, "threads": threads}
+from specd.train_drafter.head_card import measure_cost
 
 
 def write_card(out: Path, report: dict, command: str) -> None:

@@ -168,6 +168,31 @@ def distill_loss(logits: torch.Tensor, goal_logits: torch.Tensor, weight: torch.
     return (ce * weight).sum() / weight.sum(), (logq.argmax(-1) == p.argmax(-1)).float().mean()
 
 
+def ahead_loss(logits: list[torch.Tensor], goal: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor,
+               decay: float):
+    """Draft a's distillation loss (logits[a] against the target's rows on goal[:, a], weights
+    weight[:, a]) weighted decay ** a, as Medusa weighs its heads; and the first draft's top-1 agreement."""
+    total, norm, agree = 0.0, 0.0, []
+    for a, lg in enumerate(logits):
+        with torch.no_grad():
+            goal_logits = goal[:, a] @ rows.T
+        loss, ag = distill_loss(lg, goal_logits, weight[:, a])
+        total, norm = total + decay ** a * loss, norm + decay ** a
+        agree.append(ag)
+    return total / norm, agree[0]
+
+
+def write_checkpoint(out: Path, file: str, state: dict[str, torch.Tensor], config: dict) -> None:
+    """A head directory: its tensors as `file` (safetensors) and config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / file), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 @torch.inference_mode()
 def acceptance(proposer, seqs, feats, prompt_lens, k: int) -> dict:
     """Greedy speculation replayed through the serving proposer on the target's own greedy

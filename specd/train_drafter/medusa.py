@@ -57,15 +57,9 @@ class MedusaTrainHeads(nn.Module):
 
     def loss(self, seqs, final, prompt_lens, batch, cfg: MedusaConfig):
         inp, _, goal, w = ht.ahead_targets(seqs, final, prompt_lens, batch, cfg.num_heads - 1, cfg.prompt_weight)
-        total, norm, agree = 0.0, 0.0, []
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            for a in range(cfg.num_heads):
-                with torch.no_grad():
-                    goal_logits = goal[:, a] @ self.lm_rows.T
-                loss, ag = ht.distill_loss(self.head_logits(inp, a), goal_logits, w[:, a])
-                total, norm = total + cfg.decay ** a * loss, norm + cfg.decay ** a
-                agree.append(ag)
-        return total / norm, agree[0]
+            logits = [self.head_logits(inp, a) for a in range(cfg.num_heads)]
+            return ht.ahead_loss(logits, goal, w, self.lm_rows, cfg.decay)
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         state = {f"{a}.{j}.linear.{n}": p for a, block in enumerate(self.blocks) for j, lin in enumerate(block)
@@ -75,21 +69,15 @@ class MedusaTrainHeads(nn.Module):
 
 def save(heads: MedusaTrainHeads, target_config, out, fingerprint: str, cfg: MedusaConfig,
          draft_ids: torch.Tensor | None) -> None:
-    import json
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     state = heads.state_for_checkpoint()
     if draft_ids is not None:
         state["d2t"] = ht.d2t(draft_ids)
-    save_file(state, str(out / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
     config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
               "base_model_name_or_path": getattr(target_config, "_name_or_path", "") or "SmolLM2-135M-Instruct",
               "hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
               "specd_lm_head": "target", "specd_target_fingerprint": fingerprint,
               "specd_medusa": {"recipe": "Medusa-1 self-distillation", **asdict(cfg)}}
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    ht.write_checkpoint(out, "medusa_lm_head.safetensors", state, config)
 
 
 def train_medusa(target_dir, out, args, log=print) -> dict:

@@ -71,15 +71,8 @@ class MLPSpeculatorTrain(nn.Module):
 
     def loss(self, seqs, final, prompt_lens, batch, cfg: MLPSpeculatorConfig):
         inp, toks, goal, w = ht.ahead_targets(seqs, final, prompt_lens, batch, cfg.n_predict - 1, cfg.prompt_weight)
-        total, norm, agree = 0.0, 0.0, []
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            for a, logits in enumerate(self.stages(inp, toks)):
-                with torch.no_grad():
-                    goal_logits = goal[:, a] @ self.lm_rows.T
-                loss, ag = ht.distill_loss(logits, goal_logits, w[:, a])
-                total, norm = total + cfg.decay ** a * loss, norm + cfg.decay ** a
-                agree.append(ag)
-        return total / norm, agree[0]  # the first draft's agreement, as the other heads report
+            return ht.ahead_loss(self.stages(inp, toks), goal, w, self.lm_rows, cfg.decay)
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         state = {f"proj.{a}.weight": p.weight for a, p in enumerate(self.proj)}
@@ -90,15 +83,9 @@ class MLPSpeculatorTrain(nn.Module):
 
 def save(spec: MLPSpeculatorTrain, target_config, out, fingerprint: str, cfg: MLPSpeculatorConfig,
          draft_ids: torch.Tensor | None) -> None:
-    import json
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     state = spec.state_for_checkpoint()
     if draft_ids is not None:
         state["d2t"] = ht.d2t(draft_ids)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     h = target_config.hidden_size
     config = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
               "emb_dim": h, "inner_dim": h, "n_predict": cfg.n_predict, "vocab_size": target_config.vocab_size,
@@ -106,7 +93,7 @@ def save(spec: MLPSpeculatorTrain, target_config, out, fingerprint: str, cfg: ML
               "specd_embeddings": "target", "specd_lm_head": "target", "specd_target_fingerprint": fingerprint,
               "specd_mlp_speculator": {"recipe": "IBM stage 1 (teacher-forced) on the target's answers",
                                        **asdict(cfg)}}
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    ht.write_checkpoint(out, "model.safetensors", state, config)
 
 
 def train_mlp_speculator(target_dir, out, args, log=print) -> dict:
