@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("ngram", "suffix", "draft_model", "eagle")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "combined", "draft_model_tree")
 RANDOM_HEADS = {"eagle3": "eagle3", "medusa": "medusa_st", "mlp_speculator": "mlp"}  # method -> test layout
 EAGLE_HEAD = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct-eagle"
 
@@ -69,6 +69,12 @@ def spec_config(method: str, heads: dict[str, str] | None = None) -> dict:
     from specd import model_store
 
     cfg = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model_tree":  # draft_model's dynamic token trees (EAGLE-2's idea)
+        return {**spec_config("draft_model"), "tree": {"branching": [2, 2, 2, 2], "dynamic": True, "max_nodes": 8}}
+    if method == "combined":  # one token tree merging the drafter's chain and suffix's match
+        model = spec_config("draft_model")
+        return {**cfg, "members": [{key: v for key, v in model.items() if key not in ("num_speculative_tokens", "adaptive")},
+                                   {"method": "suffix"}]}
     if method in RANDOM_HEADS:
         return {**cfg, "model": heads[method], "target_model": str(model_store.target_dir()),
                 "draft_dtype": "bfloat16"}
@@ -221,7 +227,7 @@ def render(r: dict) -> str:
         c = r["cost_machine"]
         lines += ["", f"The cost was measured separately (`{r['cost_command']}`): torch threads {c['threads']}; load "
                   f"average {c['load_avg_start']:.2f} at start, {c['load_avg_end']:.2f} at end; {c['date']}."]
-    lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['threads']}, torch {m['torch']}; "
+    lines += ["", f"Machine: {m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads {m['threads']}, torch {m['torch']}; "
               f"load average {m['load_avg_start']:.2f} at start, {m['load_avg_end']:.2f} at end; {m['date']}; "
               f"{r['elapsed_s'] / 60:.0f} min.", ""]
     for a in r.get("appended", []):

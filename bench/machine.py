@@ -12,11 +12,13 @@ from pathlib import Path
 def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> dict:
     import torch
 
-    cpu = platform.processor() or ""
+    cpu, flags = platform.processor() or "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not flags:
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
@@ -29,6 +31,8 @@ def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> d
     info = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
+        # What decides the CPU kernels (kernels/cpu_ops.py, cpu_bf16_matmul.cpp) and oneDNN's choices.
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))),
         "cores": os.cpu_count(),
         "threads": threads,
         "load_avg_start": round(os.getloadavg()[0], 2),

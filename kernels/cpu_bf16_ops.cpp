@@ -10,9 +10,10 @@
 // the compiler can vectorise that without reassociating anything.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "cpu_bf16_matmul.h"
 
 #include <cmath>
 #include <cstring>
@@ -316,33 +317,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-// y = x W^T + b through oneDNN with W prepacked (specd/engine/linear.py's PrepackedLinear), called
-// from here so a layer's matmuls cost no Python dispatch.
-at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
-                                         c10::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
-}
-
 // Every decoder layer of a Llama-family model in one call: the same ops in the same order as
 // CausalLM.forward's fused path (so the same bits), without ~10 Python calls per layer, which cost
 // ~14% of a batch-1 decode step of the default target. weights holds, per layer, input norm, qkv,
-// o, post-attention norm, gate_up, down (the matmul weights prepacked); biases, per layer, qkv, o,
-// gate_up and down. Returns the residual stream after the last layer's attention and that layer's
+// o, post-attention norm, gate_up, down (the matmul weights packed by pack_linear_weight); biases
+// and out_features, per layer, for qkv, o, gate_up and down. Returns the residual stream after the last layer's attention and that layer's
 // MLP output, left unadded as in the Python path.
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& embeddings, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+    at::IntArrayRef out_features, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& pos,
     const c10::optional<at::Tensor>& key_index, int64_t num_heads, int64_t head_dim, double scale, int64_t window,
     double eps) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == 6 * layers &&
-                  static_cast<int64_t>(biases.size()) == 4 * layers && static_cast<int64_t>(v_caches.size()) == layers,
-              "decoder_stack wants 6 weights, 4 biases and a K and V cache per layer");
+                  static_cast<int64_t>(biases.size()) == 4 * layers && static_cast<int64_t>(out_features.size()) == 4 * layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers,
+              "decoder_stack wants 6 weights, 4 biases, 4 out_features and a K and V cache per layer");
   const int64_t T = embeddings.size(0);
   at::Tensor x = embeddings, y, mlp_out;
   for (int64_t j = 0; j < layers; ++j) {
@@ -352,13 +343,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       std::tie(x, y) = add_rms_norm(mlp_out, x, w[0], eps);
     }
-    auto qkv = prepacked_linear(y, w[1], biases.get(4 * j));
+    auto linear = [&](const at::Tensor& in, int m) {  // m: qkv, o, gate_up, down
+      constexpr int weight_index[4] = {1, 2, 4, 5};
+      return specd_cpu::linear(in, w[weight_index[m]], biases.get(4 * j + m), out_features[4 * j + m], false);
+    };
+    auto qkv = linear(y, 0);
     auto q = rotary_write_kv(qkv.view({T, -1, head_dim}), num_heads, cos, sin, k_caches[j], v_caches[j], slots);
     auto attn = paged_attention(q, k_caches[j], v_caches[j], block_tables, seq, pos, key_index, scale, window);
-    auto a = prepacked_linear(attn.view({T, num_heads * head_dim}), w[2], biases.get(4 * j + 1));
+    auto a = linear(attn.view({T, num_heads * head_dim}), 1);
     std::tie(x, y) = add_rms_norm(a, x, w[3], eps);
-    auto gate_up = prepacked_linear(y, w[4], biases.get(4 * j + 2));
-    mlp_out = prepacked_linear(silu_mul(gate_up), w[5], biases.get(4 * j + 3));
+    auto gate_up = linear(y, 2);
+    mlp_out = linear(silu_mul(gate_up), 3);
   }
   return {x, mlp_out};
 }
@@ -373,7 +368,7 @@ TORCH_LIBRARY(specd_cpu, m) {
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, "
         "Tensor pos, Tensor? key_index, float scale, int window) -> Tensor");
-  m.def("decoder_stack(Tensor embeddings, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, "
+  m.def("decoder_stack(Tensor embeddings, Tensor[] weights, Tensor?[] biases, int[] out_features, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq, "
         "Tensor pos, Tensor? key_index, int num_heads, int head_dim, float scale, int window, float eps) "
         "-> (Tensor, Tensor)");
@@ -387,6 +382,3 @@ TORCH_LIBRARY_IMPL(specd_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("decoder_stack", &decoder_stack);
 }
-
-// decoder_stack's prepacked weights are oneDNN tensors, which dispatch to MkldnnCPU.
-TORCH_LIBRARY_IMPL(specd_cpu, MkldnnCPU, m) { m.impl("decoder_stack", &decoder_stack); }

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_bf16_ops.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp")]
 REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # what the -m flags below let the compiler use
 
 
@@ -38,8 +38,8 @@ def _build() -> None:
     build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # The ops are plain C++ the compiler vectorises; AVX-512 widens its vectors to 16 floats.
-    load(name="specd_cpu_bf16_ops", sources=[str(SOURCE)], build_directory=str(build_dir),
-         extra_cflags=["-O3"] + [f"-m{flag}" for flag in sorted(REQUIRED_FLAGS)], is_python_module=False, verbose=False)
+    load(name="specd_cpu_bf16_ops", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+         extra_cflags=["-O3", "-fopenmp"] + [f"-m{flag}" for flag in sorted(REQUIRED_FLAGS)], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def cpu_supported() -> bool:
@@ -59,7 +59,7 @@ def available() -> bool:
         try:
             _build()
         except Exception as e:  # a missing compiler or ninja surfaces as various errors
-            why = f"building {SOURCE.name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
+            why = f"building {SOURCES[0].name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
     if why:
         log.warning("fused bfloat16 CPU ops off (%s); decode uses the slower torch path", why)
     return why is None

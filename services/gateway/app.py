@@ -96,7 +96,8 @@ class Gateway:
                   arrival=arrival, deadline_s=self.config.request_timeout_s,
                   silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s,
                   affinity=request.headers.get(SESSION_HEADER) or body.user)
-        fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer)
+        fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer,
+                        exact=self.model.exact)
         steps = generate(self.replicas, self.tokenizer, job, self.metrics)
         if not body.stream:
             collected = await cancel_on_disconnect(request, _collect(steps))
@@ -131,7 +132,8 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model.name, "object": "model", "created": self.created, "owned_by": "specd",
-            "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len}]})
+            "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len,
+            "exact": self.model.exact}]})
 
     async def health(self, request: Request) -> Response:
         """200 while a verifier replica's gRPC health says SERVING for its Verifier service (that

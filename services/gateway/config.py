@@ -66,3 +66,4 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     vocab_hash: str = ""  # of its tokenizer; a replica whose Info says otherwise gets no requests
+    exact: bool = False  # Info.exact: greedy output does not depend on batching or speculation

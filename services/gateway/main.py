@@ -80,7 +80,8 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
     info = await wait_for_any_info(config.verifiers, config.verifier_wait_s, config.security)
     tokenizer = load_tokenizer(config.tokenizer or info.model, info.vocab_hash)
     model = ModelInfo(name=config.served_model_name or info.model_name, path=info.model,
-                      max_model_len=info.max_model_len, vocab_size=info.vocab_size, vocab_hash=info.vocab_hash)
+                      max_model_len=info.max_model_len, vocab_size=info.vocab_size, vocab_hash=info.vocab_hash,
+                      exact=info.exact)
     log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len,
              ", ".join(config.verifiers))
     server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,

@@ -23,14 +23,17 @@ class Formatter:
     request_id: str
     model: str
     tokenizer: Tokenizer
+    exact: bool = False  # the verifier's Info.exact, carried by every response object
     created: int = field(default_factory=lambda: int(time.time()))
     # token id -> its text: the same alternatives come back at position after position
     _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def _envelope(self, choices: list[dict], streamed: bool) -> dict:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
+        # "exact": specd's extension (the openai client keeps it in model_extra): false where greedy
+        # output may change with batching or speculation on this server (float32, the torch path, ...).
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+                "exact": self.exact, "choices": choices}
 
     def _text(self, token_id: int) -> str:
         text = self._texts.get(token_id)

@@ -30,6 +30,8 @@ class VerifierMetrics:
         self.waiting = Gauge("specd_verifier_num_requests_waiting", "Queue depth: sequences waiting", registry=r)
         self.rejected = Counter("specd_verifier_requests_rejected", "Requests refused because the queue was full",
                                 registry=r)
+        self.exact = Gauge("specd_verifier_exact", "1 when greedy output does not depend on batching or "
+                           "speculation (batch-invariant mode on, its load-time self-test passed)", registry=r)
         self.kv_used = Gauge("specd_verifier_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("specd_verifier_kv_blocks_free", "KV cache blocks free", registry=r)
         self.batch_size = Histogram("specd_verifier_batch_size", "Sequences per engine step",

@@ -1,6 +1,13 @@
 """The matmul path per device and dtype, chosen from measurements on the CPU it runs on.
 
-bfloat16 on CPU: oneDNN with each weight reordered once, at load, into its blocked layout
+bfloat16 on CPU with the fused ops (kernels/cpu_bf16_matmul.cpp, where they build): a matmul whose
+every output sums over K in one fixed order, whatever the row count, so a row's bits are the same
+alone, in a verify block or in a prefill chunk. oneDNN picks its K blocking from the row count: on
+an AMD EPYC (avx512_bf16, no AMX) a 1-row and a 4-row call differ in the last bit for K > 1024,
+which changed greedy tokens with batching and speculation. Measured there with 2 threads on the
+default target's shapes, weights streamed from memory: 0.6x oneDNN's time at 1 row, 0.8x at 5-16,
+0.95x at 128 (bench/kernels.py).
+bfloat16 on CPU without them (the torch path): oneDNN with each weight reordered once, at load, into its blocked layout
 (`mkldnn._reorder_linear_weight`, what torch.compile's freezing pass does), instead of
 `F.linear`, which repacks on every call. Measured on the 2-core Xeon (AVX-512, AMX) with
 2 threads, SmolLM2-135M shapes: 1.5x (576x960) to 2.1x (the 49152-row head) faster at 1, 5
@@ -24,6 +31,12 @@ def prepacked_bf16_available(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def invariant_cpu_available(device: torch.device, dtype: torch.dtype) -> bool:
+    from specd.kernels import cpu_ops
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_ops.available()
+
+
 class PrepackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (CPU, bfloat16)."""
 
@@ -39,6 +52,22 @@ class PrepackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _by_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], ""),
                         x, self.max_rows)
+
+
+class InvariantCpuLinear(nn.Module):
+    """y = x W^T + b through kernels/cpu_bf16_matmul.cpp (CPU, bfloat16): batch-invariant by construction."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows  # unused: any row count gives the same bits
+        self.register_buffer("packed", torch.ops.specd_cpu.pack_linear_weight(weight.detach().contiguous()),
+                             persistent=False)
+        # float32 once here, not per call (the kernel adds the bias in float32).
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specd_cpu.linear(x, self.packed, self.bias, self.out_features)
 
 
 class PlainLinear(nn.Module):
@@ -88,6 +117,8 @@ def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows
     """The fastest matmul module for this weight's device and dtype."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
+    if invariant_cpu_available(weight.device, weight.dtype):
+        return InvariantCpuLinear(weight, bias, max_rows)
     if prepacked_bf16_available(weight.device, weight.dtype):
         return PrepackedLinear(weight, bias, max_rows)
     if max_rows is not None and _triton_matmul_wanted(weight.device):

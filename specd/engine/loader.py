@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -11,10 +12,13 @@ import torch
 from safetensors import safe_open
 
 from specd.cache import cache_root, file_sha256
+from specd.engine.exactness import forward_invariance_failures
 from specd.engine.fingerprint import weights_fingerprint
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
 from specd.gguf_convert import convert_gguf, find_gguf
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -128,6 +132,13 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
             raise ValueError(f"{draft_vocab}: ids must be a non-empty list within [0, {arch.vocab_size})")
         head_ids = torch.tensor(ids, dtype=torch.long)
     model.prepare(head_ids, batch_invariant)
+    failures = forward_invariance_failures(model) if batch_invariant else []
+    if failures:
+        log.warning("batch-invariant mode is off: on this machine (%s, %s, %d threads) %s; greedy output "
+                    "may change with batching and speculation, and the server reports exact = false",
+                    device.type, str(dtype).removeprefix("torch."), torch.get_num_threads(), "; ".join(failures))
+        model.set_batch_invariant(False)
+    model.exact = batch_invariant and not failures
     return model.eval()
 
 

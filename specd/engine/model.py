@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.engine.attention import AttentionMetadata, attention_invariance_failures, paged_attention, write_kv
-from specd.engine.linear import PrepackedLinear, adopt_linears, fast_linear, row_invariance_failures
+from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
+from specd.engine.linear import InvariantCpuLinear, adopt_linears, fast_linear
 from specd.engine.model_config import ModelArchConfig
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
@@ -150,16 +150,20 @@ class CausalLM(nn.Module):
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
         self.fingerprint = ""  # of the loaded weights (specd/engine/fingerprint.py), set by the loader
+        # Batch-invariant mode is on and passed the loader's self-test (specd/engine/exactness.py):
+        # greedy output does not depend on batching or speculation.
+        self.exact = False
         # All layers in one fused op (torch.ops.specd_cpu.decoder_stack), where it applies: its
-        # per-layer weights and biases, built by prepare().
-        self.stack: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+        # per-layer weights, biases and output sizes, built by prepare().
+        self.stack: tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]] | None = None
 
-    def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> bool:
+    def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> None:
         """After the weights are loaded: pick the matmul path (specd/engine/linear.py), build the
         output head (over `head_ids` only when given: a drafter's draft vocabulary), and set up
         batch-invariant mode, in which a token's logits do not depend on what else the step
-        computes (greedy speculation then gives the plain tokens in bf16 too). The mode is used
-        only where this machine's kernels pass the invariance check; returns whether it is on."""
+        computes (greedy speculation then gives the plain tokens in bf16 too). Whether this
+        machine's kernels keep that promise is checked on the real forward by the loader
+        (specd/engine/exactness.py), which turns the mode off where they do not."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if head_ids is not None:
             self.head_ids = head_ids.to(weight.device)
@@ -169,22 +173,7 @@ class CausalLM(nn.Module):
         adopt_linears(self.model, max_rows)
         fused = self.use_fused_ops(weight.device, weight.dtype)
         self.stack = self.stack_tensors() if fused else None
-        if batch_invariant:
-            # The fused ops are row-local with one reduction order by construction
-            # (tests/kernels/test_cpu_bf16_ops.py); SDPA's replacement is checked here.
-            failures = row_invariance_failures(self, max_rows)
-            if not fused:
-                failures += attention_invariance_failures(weight.device, weight.dtype)
-            if failures:
-                # float32 kernels (MKL) fail here too, but their rounding rarely flips a token:
-                # worth a warning only in 16-bit, where it does (bench/results/exact_bf16.md).
-                level = logging.INFO if weight.dtype == torch.float32 else logging.WARNING
-                log.log(level, "batch-invariant mode is off: on this machine %s; greedy output with "
-                        "speculation may differ from plain decoding", "; ".join(failures))
-                self.set_batch_invariant(False)
-                return False
         self.set_batch_invariant(batch_invariant)
-        return batch_invariant
 
     def use_fused_ops(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Route norms, rotary + KV write, attention and SiLU through kernels/cpu_bf16_ops.cpp
@@ -198,13 +187,13 @@ class CausalLM(nn.Module):
                 module.fused = on
         return on
 
-    def stack_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
-        """decoder_stack's per-layer weights (norms and prepacked matmuls) and biases, or None where
-        it does not apply: q/k norms, a matmul not prepacked, or windows that differ by layer."""
+    def stack_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]] | None:
+        """decoder_stack's per-layer weights (norms and packed matmuls), biases and output sizes, or
+        None where it does not apply: q/k norms, a matmul not packed, or windows that differ by layer."""
         layers = self.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if (layers[0].self_attn.q_norm is not None or not all(isinstance(m, PrepackedLinear) for m in linears)
+        if (layers[0].self_attn.q_norm is not None or not all(isinstance(m, InvariantCpuLinear) for m in linears)
                 or len({layer.self_attn.window for layer in layers}) != 1):
             return None
         weights = []
@@ -212,7 +201,7 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, attn.o_proj.packed,
                         layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
-        return weights, [m.bias for m in linears]
+        return weights, [m.bias for m in linears], [m.out_features for m in linears]
 
     def _stack_applies(self, rows: int, meta: AttentionMetadata, capture: tuple[int, ...]) -> bool:
         """decoder_stack runs this step: its tensors are built, no layer's input is captured, the

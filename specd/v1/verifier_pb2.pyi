@@ -101,7 +101,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load")
+    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load", "exact")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
     max_model_len: int
@@ -118,7 +119,8 @@ class InfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: bool
     load: Load
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    exact: bool
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("num_requests", "num_waiting", "kv_blocks_used", "kv_blocks_total")

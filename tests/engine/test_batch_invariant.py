@@ -3,7 +3,7 @@ the step computes, so greedy speculation gives exactly the plain tokens, in any 
 method (hidden-state heads included), and a seeded sampled request reproduces whatever its batch.
 
 The model is random with near-flat logits, where a last-bit difference flips the argmax often:
-the control test shows that with the mode off the same comparison does fail.
+the control test makes a forward that is not invariant and shows the same comparison then fails.
 """
 from __future__ import annotations
 
@@ -119,8 +119,26 @@ def test_hidden_state_heads_keep_bf16_greedy_identical(layout, deep_model, tmp_p
     assert sum(o.spec["draft_tokens"] for o in outs) > 0, "the head never drafted: the test proves nothing"
 
 
-def test_control_without_the_mode_outputs_differ(model, drafter):
-    """The comparison above has teeth: with the mode off, bf16 speculation changes tokens here."""
+def _row_count_dependent_mlp(monkeypatch) -> None:
+    """A forward that is not batch-invariant, made on purpose (no machine is relied on to have one):
+    the MLP's output moves by a few bf16 ulps in steps whose row count is a multiple of 5 (k = 4
+    verify blocks), as a kernel that reduces in another order for some row counts would. The layer loop runs (not
+    decoder_stack), so the patched MLP is the one computed."""
+    from specd.engine import model as model_module
+
+    real = model_module.MLP.forward
+
+    def forward(self, x):
+        y = real(self, x)
+        return y if x.shape[0] % 5 else (y.float() * (1 + 2 ** -6)).to(y.dtype)
+
+    monkeypatch.setattr(model_module.MLP, "forward", forward)
+    monkeypatch.setattr(model_module.CausalLM, "stack_tensors", lambda self: None)
+
+
+def test_control_a_forward_that_is_not_invariant_changes_the_tokens(model, drafter, monkeypatch):
+    """The comparisons above have teeth: with a non-invariant forward, bf16 speculation changes tokens."""
+    _row_count_dependent_mlp(monkeypatch)
     prompts = _prompts()
     plain = _alone(_llm(model, invariant=False), prompts)
     spec = _batched(_llm(model, _spec("draft_model", drafter), invariant=False), prompts)
@@ -136,17 +154,22 @@ def test_seeded_sampling_reproduces_whatever_the_batch(model, drafter):
     assert together == alone
 
 
-def test_a_machine_whose_matmul_is_not_invariant_turns_the_mode_off(model, monkeypatch, caplog):
-    from specd.engine import linear
-
-    real = linear.PlainLinear.forward
-
-    def row_count_dependent(self, x):  # what a split-K kernel does: results shift with the row count
-        return real(self, x) + x.shape[0] * 1e-2
-
-    monkeypatch.setattr(linear, "prepacked_bf16_available", lambda device, dtype: False)
-    monkeypatch.setattr(linear.PlainLinear, "forward", row_count_dependent)
+def test_a_machine_whose_forward_is_not_invariant_turns_the_mode_off(model, monkeypatch, caplog):
+    """The load-time self-test runs the real forward: a kernel that changes a row's bits for one row
+    count is caught (the check of each matmul shape alone, before it, did not look there), the mode
+    turns off with a WARNING naming the layout, and the model says it is not exact."""
+    _row_count_dependent_mlp(monkeypatch)
     with caplog.at_level(logging.WARNING):
         llm = _llm(model)
-    assert "batch-invariant mode is off" in caplog.text
+    assert "batch-invariant mode is off" in caplog.text and "5-row verify block" in caplog.text
+    assert not llm.engine.model.exact
     assert not any(layer.self_attn.invariant for layer in llm.engine.model.model.layers)
+
+
+def test_the_default_path_passes_the_self_test(model):
+    """Where the fused CPU ops build (x86-64 with AVX-512), the bf16 forward is invariant by construction."""
+    from specd.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the fused CPU ops do not build here: the torch path's exactness is what its self-test says")
+    assert _llm(model).engine.model.exact

@@ -50,7 +50,7 @@ def stack(launcher):
     client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=120)
     urls = {"gateway": f"http://{gateway.address}/metrics",
             **{name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}}
-    return dict(client=client, urls=urls, launcher=launcher, ng=ng)
+    return dict(client=client, urls=urls, launcher=launcher, ng=ng, stub=stub)
 
 
 def _eventually(cond, timeout=30.0, what="condition"):
@@ -215,6 +215,19 @@ def test_counters_agree_with_the_usage_the_clients_saw(stack):
         assert delta("gateway", f"specd_gateway_{hist}_count") == n, hist
     assert delta("gateway", "specd_gateway_inter_token_latency_seconds_count") > 0
     assert after["gateway"].get("specd_gateway_requests_running") == 0
+
+
+def test_exactness_is_reported_the_same_everywhere(stack):
+    """Whether greedy output can change with batching or speculation (the load-time self-test's
+    verdict on this machine and dtype) reaches an operator without logs: the verifier's Info and
+    its Prometheus gauge, the gateway's /v1/models, and every response object."""
+    exact = stack["stub"].Info(pb.InfoRequest(), timeout=10).exact
+    assert scrape(stack)["verifier"].get("specd_verifier_exact") == float(exact)
+    client = stack["client"]
+    assert client.models.list().data[0].model_extra["exact"] is exact
+    out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert out.model_extra["exact"] is exact
 
 
 def test_rejected_requests_are_counted_by_status(stack):

@@ -1,0 +1,84 @@
+"""kernels/cpu_bf16_matmul.cpp: the engine's bf16 CPU matmul. Right to bf16 rounding against float64, and
+batch-invariant by construction: a row's bits do not depend on how many rows are computed with it, where it
+sits among them, or the thread count, on both instruction paths (AVX512-BF16 and plain AVX-512 FMAs)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specd.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512")
+ops = torch.ops.specd_cpu
+# The default target's shapes (qkv, o, gate_up, down, head) and odd ones (tails of K and N).
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4099), (37, 21), (1, 5)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_ops.available(), "the CPU ops did not build on a CPU that supports them"
+
+
+def weights(K: int, N: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    return w, torch.randn(N, generator=g).bfloat16(), torch.randn(70, K, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_matches_float64_to_bf16_rounding(K, N):
+    w, b, x = weights(K, N)
+    ref = x.double() @ w.double().T + b.double()
+    y = ops.linear(x, ops.pack_linear_weight(w), b.float(), N)
+    assert y.dtype == torch.bfloat16 and y.shape == (70, N)
+    # float32 accumulation, then one bf16 rounding: within 2^-8 relative of the largest term's scale
+    scale = (x.double().abs() @ w.double().abs().T + b.double().abs())
+    assert ((y.double() - ref).abs() <= scale * 2 ** -7).all()
+    y32 = ops.linear(x, ops.pack_linear_weight(w), b.float(), N, True)
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)  # the same sums, unrounded
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_a_row_has_the_same_bits_in_any_block(K, N):
+    w, b, x = weights(K, N, seed=1)
+    packed = ops.pack_linear_weight(w)
+    alone = torch.cat([ops.linear(x[i:i + 1], packed, b, N) for i in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 7, 9, 13, 17, 31, 48, 49, 70):
+        for start in (0, len(x) - m):
+            assert torch.equal(ops.linear(x[start:start + m], packed, b, N), alone[start:start + m]), (m, start)
+
+
+def test_thread_count_does_not_change_the_bits():
+    w, b, x = weights(1536, 576, seed=2)
+    packed = ops.pack_linear_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear(x, packed, b, 576)
+        torch.set_num_threads(max(2, os.cpu_count() or 2))
+        assert torch.equal(ops.linear(x, packed, b, 576), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_are_refused():
+    w, b, x = weights(64, 32)
+    packed = ops.pack_linear_weight(w)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        ops.linear(x[:, :62], packed, None, 32)
+    with pytest.raises(RuntimeError, match="bias must have out_features"):
+        ops.linear(x, packed, b[:31], 32)
+
+
+def test_the_fma_path_is_invariant_too():
+    """SPECD_CPU_BF16_DOT=0: the path of AVX-512 CPUs without AVX512-BF16, in a fresh process."""
+    code = ("import torch; from specd.kernels import cpu_ops; assert cpu_ops.available(); "
+            "import tests.kernels.test_cpu_bf16_matmul as t; "
+            "[f(*s) for s in t.SHAPES for f in (t.test_matches_float64_to_bf16_rounding, "
+            "t.test_a_row_has_the_same_bits_in_any_block)]; print('ok')")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "SPECD_CPU_BF16_DOT": "0", "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
