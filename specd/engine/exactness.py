@@ -22,7 +22,7 @@ from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 
 BLOCK_SIZE = 16
-PROMPT, OTHER_PROMPT, THIRD_PROMPT = 37, 29, 23  # not block multiples: partial blocks and ragged rows
+PROMPTS = (37, 29, 23)  # not block multiples: partial blocks and ragged rows (shorter where positions run out)
 CHAIN = 4  # continuation tokens: verify blocks of CHAIN + 1 rows, as k = 4 speculation makes
 
 
@@ -50,11 +50,13 @@ class _Probe:
 
 def forward_invariance_failures(model: CausalLM) -> list[str]:
     """The layouts in which a row's logits differed from the same row decoded alone (empty: none)."""
-    vocab = model.config.vocab_size
+    room = model.rotary.max_positions - CHAIN - 1
+    PROMPT, OTHER_PROMPT, THIRD_PROMPT = (min(n, room) for n in PROMPTS)
+    if PROMPT < 3:
+        return []  # a model of a few positions: nothing to lay out
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (PROMPT + CHAIN + 2 + OTHER_PROMPT + THIRD_PROMPT,), generator=g).tolist()
-    prompt, chain, side = ids[:PROMPT], ids[PROMPT:PROMPT + CHAIN], ids[PROMPT + CHAIN:PROMPT + CHAIN + 2]
-    other, third = ids[PROMPT + CHAIN + 2:-THIRD_PROMPT], ids[-THIRD_PROMPT:]
+    prompt, chain, side, other, third = (torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+                                         for n in (PROMPT, CHAIN, 2, OTHER_PROMPT, THIRD_PROMPT))
     failures = []
 
     def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -84,8 +86,9 @@ def forward_invariance_failures(model: CausalLM) -> list[str]:
 
         # Mixed steps: chunked prefill beside another sequence's prefill and decode rows.
         seq, b, c = probe.sequence(prompt + chain), probe.sequence(other + [0]), probe.sequence(third)
-        probe.step(ScheduledSeq(seq, 13, 0), ScheduledSeq(b, OTHER_PROMPT, 1))
-        probe.step(ScheduledSeq(b, 1, 1), ScheduledSeq(seq, PROMPT - 14, 0))
+        first = PROMPT // 3
+        probe.step(ScheduledSeq(seq, first, 0), ScheduledSeq(b, OTHER_PROMPT, 1))
+        probe.step(ScheduledSeq(b, 1, 1), ScheduledSeq(seq, PROMPT - 1 - first, 0))
         mixed = probe.step(ScheduledSeq(c, THIRD_PROMPT, 1), ScheduledSeq(seq, CHAIN + 1, CHAIN + 1))[1]
         compare("a verify block in a step with other sequences' prefill chunks vs its rows decoded alone",
                 mixed, alone)
