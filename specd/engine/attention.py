@@ -179,20 +179,3 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         scores.masked_fill_(~mask.view(B, 1, 1, Q, -1), float("-inf"))
     probs = scores.softmax(-1).view(B, hkv, group * Q, -1)
     return torch.matmul(probs, vf).view(B, H, Q, D).to(q.dtype)
-
-
-def attention_invariance_failures(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Whether invariant_attention gives a query row the same bits alone (its own context)
-    as among others in a verify block over a longer, masked context, on this machine."""
-    g = torch.Generator().manual_seed(0)
-    C, Q, D = 77, 5, 64
-    q = torch.randn(1, 6, Q, D, generator=g).to(device, dtype)
-    k, v = (torch.randn(1, C, 2, D, generator=g).to(device, dtype) for _ in range(2))
-    mask = (torch.arange(C)[None, :] <= torch.arange(C - Q, C)[:, None])[None, None].to(device)
-    block = invariant_attention(q, k, v, mask, D ** -0.5)
-    for i in range(Q):
-        c = C - Q + i + 1
-        alone = invariant_attention(q[:, :, i:i + 1], k[:, :c], v[:, :c], None, D ** -0.5)
-        if not torch.equal(alone, block[:, :, i:i + 1]):
-            return [f"attention row {i} of {Q} differs from the same row alone"]
-    return []

@@ -5,8 +5,8 @@ every output sums over K in one fixed order, whatever the row count, so a row's 
 alone, in a verify block or in a prefill chunk. oneDNN picks its K blocking from the row count: on
 an AMD EPYC (avx512_bf16, no AMX) a 1-row and a 4-row call differ in the last bit for K > 1024,
 which changed greedy tokens with batching and speculation. Measured there with 2 threads on the
-default target's shapes, weights streamed from memory: 0.6x oneDNN's time at 1 row, 0.8x at 5-16,
-0.95x at 128 (bench/kernels.py).
+default target's shapes, weights streamed from memory: 0.71x oneDNN's time at 1 row, 0.75-0.87x at
+5-16, 1.04-1.12x at 64-128 (bench/cpu_matmul.py).
 bfloat16 on CPU without them (the torch path): oneDNN with each weight reordered once, at load, into its blocked layout
 (`mkldnn._reorder_linear_weight`, what torch.compile's freezing pass does), instead of
 `F.linear`, which repacks on every call. Measured on the 2-core Xeon (AVX-512, AMX) with
@@ -105,9 +105,9 @@ def _triton_matmul_wanted(device: torch.device) -> bool:
 
 
 def _by_rows(fn, x: torch.Tensor, max_rows: int | None) -> torch.Tensor:
-    # Batch-invariant mode: no call sees more than max_rows rows, the range in which
-    # check_row_invariance showed the kernel gives each row the same bits at any row count
-    # (oneDNN changes its reduction blocking for large M on some thread counts).
+    # Batch-invariant mode on the torch path: no call sees more than max_rows rows (oneDNN and
+    # MKL change their reduction blocking for large M on some thread counts); whether smaller
+    # calls keep a row's bits is the loader's self-test's call (specd/engine/exactness.py).
     if max_rows is None or x.shape[0] <= max_rows:
         return fn(x)
     return torch.cat([fn(x[i:i + max_rows]) for i in range(0, x.shape[0], max_rows)])
@@ -132,24 +132,3 @@ def adopt_linears(model: nn.Module, max_rows: int | None = None) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, fast_linear(child.weight, child.bias, max_rows))
-
-
-def row_invariance_failures(model: nn.Module, max_rows: int) -> list[str]:
-    """Linear shapes whose rows change with the number of rows computed together (1 to max_rows).
-
-    Batch invariance is a property of the kernel on this machine, thread count and dtype, so
-    the engine measures it at load instead of assuming it."""
-    failures, seen = [], set()
-    for module in model.modules():
-        if not isinstance(module, (PrepackedLinear, PlainLinear)) or (module.in_features, module.out_features) in seen:
-            continue
-        seen.add((module.in_features, module.out_features))
-        ref_param = module.packed if isinstance(module, PrepackedLinear) else module.weight
-        g = torch.Generator().manual_seed(len(seen))
-        x = torch.randn(max_rows, module.in_features, generator=g).to(ref_param.device, ref_param.dtype)
-        full = module.forward(x)
-        for m in sorted({1, 2, 5, max_rows // 2 + 1}):
-            if m <= max_rows and not torch.equal(module.forward(x[:m]), full[:m]):
-                failures.append(f"{module.out_features}x{module.in_features} at {m} vs {max_rows} rows")
-                break
-    return failures

@@ -18,7 +18,7 @@ from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
 
 log = logging.getLogger(__name__)
-# Batch-invariant mode computes at most this many rows per matmul call (see linear._by_rows).
+# Batch-invariant mode on the torch path computes at most this many rows per matmul call (linear._by_rows).
 INVARIANT_MAX_ROWS = 128
 # Outside batch-invariant mode, steps with longer queries (prefill) attend through SDPA.
 FUSED_ATTENTION_MAX_QUERY = 16
@@ -203,13 +203,13 @@ class CausalLM(nn.Module):
                         layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
         return weights, [m.bias for m in linears], [m.out_features for m in linears]
 
-    def _stack_applies(self, rows: int, meta: AttentionMetadata, capture: tuple[int, ...]) -> bool:
-        """decoder_stack runs this step: its tensors are built, no layer's input is captured, the
-        step's attention is the fused op, and its rows fit one matmul call (linear._by_rows)."""
+    def _stack_applies(self, meta: AttentionMetadata, capture: tuple[int, ...]) -> bool:
+        """decoder_stack runs this step: its tensors are built (its matmuls are then
+        kernels/cpu_bf16_matmul.cpp, the same bits at any row count), no layer's input is captured,
+        and the step's attention is the fused op."""
         attn = self.model.layers[0].self_attn
         return (self.stack is not None and set(capture) <= {len(self.model.layers)} and meta.token_seq is not None
-                and attn.fused_attention_applies(meta)
-                and (attn.qkv_proj.max_rows is None or rows <= attn.qkv_proj.max_rows))
+                and attn.fused_attention_applies(meta))
 
     def _layers(self, x, cos_sin, kv_caches, meta, capture, captured: dict):
         """The layers one by one -> (residual stream, last MLP output or None: not yet added)."""
@@ -249,7 +249,7 @@ class CausalLM(nn.Module):
         cos_sin = self.rotary(positions)  # once per step, shared by all layers
         L = len(self.model.layers)
         captured = {}
-        if self._stack_applies(x.shape[0], meta, capture):
+        if self._stack_applies(meta, capture):
             # Every layer in one C++ call; the loop below computes the same, op by op.
             first = self.model.layers[0]
             attn = first.self_attn
