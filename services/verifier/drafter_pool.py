@@ -189,8 +189,12 @@ class DrafterPool:
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — closed channel, dead drafter:
             log.debug("release at %s failed: %s", client.name, e)  # the drafter's TTL cleans up instead
 
-    def _route(self, seq_id: int) -> DrafterClient | None:
-        for name in (self.seq_choice.get(seq_id), self.seq_drafter.get(seq_id)):
+    def healthy_names(self) -> list[str]:
+        return [c.name for c in list(self.drafters.values()) if c.healthy]  # kept in rank order
+
+    def _route(self, seq_id: int, chosen: str | None = None) -> DrafterClient | None:
+        """The request's own choice, else the controller's, else the one it drafted with, else the first."""
+        for name in (self.seq_choice.get(seq_id), chosen, self.seq_drafter.get(seq_id)):
             client = self.drafters.get(name) if name else None
             if client is not None and client.healthy:
                 return client
@@ -200,7 +204,7 @@ class DrafterPool:
         groups: dict[str, list[ProposeRequest]] = {}
         out: list[Proposal] = []
         for req in requests:
-            client = self._route(req.seq_id)
+            client = self._route(req.seq_id, req.drafter)
             if client is None or req.num_tokens > client.max_history_tokens:
                 continue  # no drafter (or none that keeps this much): no drafts, the history goes again later
             if client.feature_layers and not set(client.feature_layers) <= set(req.feature_layers):
@@ -339,6 +343,14 @@ class PoolProposer:
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.pool.feature_layers
+
+    @property
+    def drafter_names(self) -> list[str]:
+        """Healthy drafters, the default first: what the speculation controller chooses among."""
+        return self.pool.healthy_names()
+
+    def pinned_drafter(self, seq_id: int) -> str | None:
+        return self.pool.seq_choice.get(seq_id)
 
 
 def _in_bounds(p, k: int, trusted: bool) -> bool:

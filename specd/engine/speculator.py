@@ -57,15 +57,17 @@ class Speculator:
             return {}
         caps = [self._cap(e.seq, budget_left) for e in decoding]
         base_tokens = sum(e.num_new_tokens for e in batch)
-        ks = self.controller.choose([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
-                                    base_tokens)
+        pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
+        plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
+                                    base_tokens, self._drafter_names(), pinned)
         requests, entries = [], []
         layers = self.feature_layers
-        for e, k in zip(decoding, ks):
+        for e, (k, drafter) in zip(decoding, plan):
             if k <= 0:
                 continue
             seq = e.seq
-            full = seq.spec_sent == 0
+            # A drafter new to this sequence reads its whole history first.
+            full = seq.spec_sent == 0 or drafter != self.controller.current.get(seq.seq_id, drafter)
             length = len(seq)
             features = None
             if layers:
@@ -73,23 +75,18 @@ class Speculator:
                 features = self._features(seq, layers, 0 if full else seq.spec_sent - 1, length - 1)
                 if features is None:
                     continue
-            requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=seq.token_slice(seq.spec_sent, length),
-                                           num_tokens=length, k=k, full_history=full,
+            new_tokens = seq.token_slice(0 if full else seq.spec_sent, length)
+            requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=new_tokens, num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed,
-                                           features=features, feature_layers=layers))
+                                           features=features, feature_layers=layers, drafter=drafter))
             entries.append(e)
             seq.spec_sent = length
         if not requests:
             return {}
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
-        if any(p.token_ids for p in proposals):
-            # A call that drafted nothing (a drafter past its deadline, down, or out of sync)
-            # says nothing about drafting cost; timed, one 250 ms deadline would price drafting
-            # out for long after the drafter recovered.
-            cached = sum(p.cached for p in proposals) / len(proposals)
-            self.controller.observe_draft(max(r.k for r in requests), len(requests), time.perf_counter() - t0, cached)
+        self._observe_proposals(requests, proposals, time.perf_counter() - t0)
         by_id = {p.seq_id: p for p in proposals}
         out = {}
         for e, req in zip(entries, requests):
@@ -101,6 +98,35 @@ class Speculator:
             if drafts:
                 out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents, p.cached)
         return out
+
+    def _drafter_names(self) -> list[str | None]:
+        """The drafters the controller chooses among: a pool's healthy ones, else the one proposer."""
+        names = getattr(self.proposer, "drafter_names", None)
+        return list(names) if names else [self.config.method]
+
+    def _pinned(self, seq_id: int) -> str | None:
+        """The drafter a request named for itself (a pool routes it there whatever we choose)."""
+        pinned = getattr(self.proposer, "pinned_drafter", None)
+        return pinned(seq_id) if pinned is not None else None
+
+    def _observe_proposals(self, requests, proposals, seconds: float) -> None:
+        """Which drafter answered each sequence and whether it drafted; the call's time per drafter.
+        Drafters of one call answer concurrently: each is charged the whole call (an upper bound).
+        An answer without drafts (a suffix index without a match) costs its round trip and is
+        timed; a drafter that did not answer (past its deadline, down, out of sync: resync) says
+        nothing about its cost: timed, one 250 ms deadline would price drafting out for long
+        after the drafter recovered."""
+        asked = {r.seq_id: r.k for r in requests}
+        by_drafter: dict[str | None, list] = defaultdict(list)
+        for p in proposals:
+            if p.resync or p.seq_id not in asked:
+                continue
+            name = p.drafter or self.config.method
+            self.controller.observe_proposal(p.seq_id, name, bool(p.token_ids))
+            by_drafter[name].append(p)
+        for name, ps in by_drafter.items():
+            self.controller.observe_draft(max(asked[p.seq_id] for p in ps), len(ps), seconds,
+                                          sum(p.cached for p in ps) / len(ps), name)
 
     @staticmethod
     def _features(seq: Sequence, layers: tuple[int, ...], start: int, end: int):
@@ -171,7 +197,7 @@ class Speculator:
             n = len(e.draft_token_ids)
             # The controller models a chain of k: a tree counts as a chain of its depth.
             self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
-                                           n_acc)
+                                           n_acc, e.drafts.drafter if n else None)
             cached = bool(n and e.drafts.cached)
             e.seq.spec_stats.observe_draft(n, n_acc, cached)
             if n:

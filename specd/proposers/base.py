@@ -46,6 +46,9 @@ class ProposeRequest:
     # Also report, per draft, the drafter's probability of it and its `alternatives` next-best
     # tokens (Proposal.draft_probs, .alternatives), and for chain heads the states it drafted from.
     alternatives: int = 0
+    # A verifier's pool: the drafter the speculation controller chose for this sequence
+    # (None: the pool's default); a request that named its own drafter keeps it.
+    drafter: str | None = None
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Speculation controller: k from the measured cost model and acceptance history."""
 from __future__ import annotations
 
+import random
+
 from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, LinearCost, SpecController, expected_tokens
 from specd.engine.spec_stats import SpecStats
 
@@ -75,7 +77,7 @@ def test_exploration_spends_a_bounded_share_of_verify_time():
         verify_s += verify(tokens)
         if any(ks):
             explored.append(ks.index(4))
-            spent += c.draft_cost(1) * 4 + verify(tokens) - verify(32)
+            spent += c.drafter().cost(1) * 4 + verify(tokens) - verify(32)
     assert len(explored) >= 10 and set(explored) == {explored[0]}  # sticky: its drafter state stays warm
     assert spent <= EXPLORE_SHARE * verify_s + spent / len(explored)  # within the budget (+ one)
     # When the exploring sequence leaves the batch another one takes over.
@@ -107,6 +109,77 @@ def test_drafts_taken_from_a_pipelined_drafters_cache_cost_only_the_wait():
     sync = c.draft_seconds(1, 4)
     for _ in range(40):
         c.observe_draft(4, 1, 0.0005, cached=1.0)  # drafted ahead: a 0.5 ms wait
-    assert c.hit_rate > 0.95 and abs(c.hit_wait - 0.0005) < 1e-9
+    assert c.drafter().hit_rate > 0.95 and abs(c.drafter().hit_wait - 0.0005) < 1e-9
     assert c.draft_seconds(1, 4) < 0.1 * sync
     assert c.choose([(0, 4, None)], base_tokens=1)[0] > 0
+
+
+def _two_drafters(verify, seqs: dict, model_step_s: float = 0.003, suffix_call_s: float = 0.0003) -> SpecController:
+    """A controller that has seen a draft model (model_step_s per draft step) and a suffix index
+    (one cheap round trip per call) draft for `seqs`: {seq_id: {drafter: (alpha, share with drafts)}}."""
+    c = SpecController(4)
+    for t in range(1, 200, 7):
+        c.observe_verify(t, verify(t))
+    for _ in range(10):
+        c.observe_draft(4, 1, 4 * model_step_s, name="model")
+        c.observe_draft(4, 1, suffix_call_s, name="suffix")
+    for sid, by_drafter in seqs.items():
+        for name, (alpha, made) in by_drafter.items():
+            rng = random.Random(f"{sid} {name}")
+            for _ in range(60):
+                drafted = rng.random() < made
+                c.observe_proposal(sid, name, drafted)
+                if drafted:
+                    accepted = 0
+                    while accepted < 4 and rng.random() < alpha:
+                        accepted += 1
+                    c.observe_accept(sid, 4, accepted, name)
+    c.current.clear()
+    c.explore_credit = 0.0
+    return c
+
+
+def test_a_cheap_drafter_that_matches_is_chosen_over_an_expensive_one():
+    c = _two_drafters(lambda t: 0.010 + 0.0002 * t, {0: {"model": (0.4, 1.0), "suffix": (0.9, 0.8)}})
+    ((k, name),) = c.plan([(0, 4, None)], 1, ["model", "suffix"])
+    assert name == "suffix" and k == 4
+
+
+def test_each_sequence_gets_its_own_drafter():
+    """A code edit (the suffix index matches) beside a chat answer (only the model predicts it)."""
+    c = _two_drafters(lambda t: 0.010 + 0.0002 * t,
+                      {0: {"model": (0.3, 1.0), "suffix": (0.95, 0.9)}, 1: {"model": (0.8, 1.0), "suffix": (0.2, 0.1)}},
+                      model_step_s=0.0005)
+    plan = c.plan([(0, 4, None), (1, 4, None)], 2, ["model", "suffix"])
+    assert [name for _, name in plan] == ["suffix", "model"] and all(k > 0 for k, _ in plan)
+
+
+def test_speculation_stays_off_when_no_drafter_pays():
+    """Chat on a slow drafter, and a suffix index that rarely finds a match: plain decoding."""
+    c = _two_drafters(lambda t: 0.010 + 0.0005 * t, {0: {"model": (0.3, 1.0), "suffix": (0.3, 0.05)}},
+                      model_step_s=0.004)
+    assert c.plan([(0, 4, None)], 1, ["model", "suffix"]) == [(0, "model")]
+
+
+def test_a_sequence_keeps_its_drafter_unless_another_is_clearly_better():
+    seqs = {0: {"model": (0.80, 1.0), "suffix": (0.82, 1.0)}}
+    c = _two_drafters(lambda t: 0.010 + 0.0002 * t, seqs, model_step_s=0.0003, suffix_call_s=0.0012)
+    c.current[0] = "model"  # a switch re-reads the whole history: 2% more is not worth it
+    assert c.plan([(0, 4, None)], 1, ["model", "suffix"])[0][1] == "model"
+    seqs = {0: {"model": (0.30, 1.0), "suffix": (0.9, 1.0)}}
+    c = _two_drafters(lambda t: 0.010 + 0.0002 * t, seqs, model_step_s=0.0003, suffix_call_s=0.0012)
+    c.current[0] = "model"
+    assert c.plan([(0, 4, None)], 1, ["model", "suffix"])[0][1] == "suffix"
+
+
+def test_a_request_that_named_its_drafter_keeps_it():
+    c = _two_drafters(lambda t: 0.010 + 0.0002 * t, {0: {"model": (0.4, 1.0), "suffix": (0.9, 0.8)}})
+    ((k, name),) = c.plan([(0, 4, None)], 1, ["model", "suffix"], pinned={0: "model"})
+    assert name == "model"
+
+
+def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
+    c = _two_drafters(lambda t: 0.0005 + 0.001 * t, {i: {"model": (0.1, 1.0)} for i in range(8)})
+    c.explore_credit = 1.0
+    plan = c.plan([(i, 4, None) for i in range(8)], 8, ["model", "suffix"])
+    assert [p for p in plan if p[0]] == [(4, "suffix")]
