@@ -20,7 +20,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_
 REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # what the -m flags below let the compiler use
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -44,7 +44,7 @@ def _build() -> None:
 
 def cpu_supported() -> bool:
     return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and REQUIRED_FLAGS <= _cpu_flags())
+            and REQUIRED_FLAGS <= cpu_flags())
 
 
 @functools.cache

@@ -95,7 +95,7 @@ class SpeculativeConfig(BaseModel):
     # distribution (that sparse q is what the verifier uses for exact acceptance)
     draft_sample_method: Literal["greedy", "sampled"] = "greedy"
     draft_top_k: int = Field(default=16, ge=1, le=1024)
-    draft_dtype: DType = "auto"
+    draft_dtype: DType = "auto"  # auto: the target's dtype in-process; a drafter service resolves it as a target would
     # acceptance: strict is lossless; typical and synthetic are lossy and reported as such
     rejection_sample_method: Literal["strict", "typical", "synthetic"] = "strict"
     posterior_threshold: float = Field(default=0.09, gt=0, le=1)

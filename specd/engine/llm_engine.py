@@ -82,6 +82,8 @@ class LLMEngine:
                                  "when no drafter service provides proposals")
             # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts
             # correlated with the acceptance uniforms); derived from it, runs stay reproducible.
+            if spec.draft_dtype == "auto":  # a draft model in this process computes in the target's dtype
+                spec = spec.model_copy(update={"draft_dtype": str(self.dtype).removeprefix("torch.")})
             proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device,
                                      seed=draft_seed(self.config.seed, -1))
         return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len)

@@ -67,6 +67,7 @@ def full(seq_id, tokens, rows, k, **kw):
 
 
 def build(target_dir, method, head_dir, **kw):
+    kw.setdefault("draft_dtype", "float32")  # the reference is float64 arithmetic; auto may pick bf16
     spec = SpeculativeConfig(method=method, model=str(head_dir), target_model=target_dir, **kw)
     return make_proposer(spec, target_vocab_size=V, seed=123)
 

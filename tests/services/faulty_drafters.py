@@ -27,6 +27,8 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
         self.batches = 0
         self.stop = threading.Event()
         self.history: dict[tuple[str, int], list[int]] = {}
+        if mode == "oversized":  # ~24 MB, built before the first call so every reply comes fast
+            self._oversized = drafter_pb2.Proposal(token_ids=[3000] * 12_000_000)
 
     def Info(self, request, context):
         # With the stack's secret it can prove it holds it (and be trusted): the lying drafter
@@ -57,9 +59,7 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
         for i, e in enumerate(batch.entries):
             if self.mode == "huge" and i == 0:
                 out.proposals.add(seq_id=e.seq_id, token_ids=[3000] * 3_000_000)  # ~6 MB, under the size bound
-            elif self.mode == "oversized" and i == 0:  # ~24 MB, built once so the reply comes fast
-                if not hasattr(self, "_oversized"):
-                    self._oversized = drafter_pb2.Proposal(token_ids=[3000] * 12_000_000)
+            elif self.mode == "oversized" and i == 0:
                 out.proposals.add().CopyFrom(self._oversized)
                 out.proposals[-1].seq_id = e.seq_id
             elif self.mode == "lying_q":
