@@ -33,7 +33,12 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
 
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:
-    return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens}
+    """A request's speculation, as `usage.speculative` reports it (vLLM's per-request spec metrics:
+    acceptance per position and mean acceptance length, and which drafters the controller used)."""
+    return {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+            "accepted_per_pos": list(spec.accepted_per_pos),
+            "mean_acceptance_length": 1.0 + spec.accepted_tokens / spec.drafts if spec.drafts else 1.0,
+            "drafters": dict(spec.drafts_by_drafter)}
 
 
 # Hidden states travel as raw little-endian bytes: bf16 has no numpy dtype, so it goes as its

@@ -15,11 +15,14 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     cached_drafts: int = 0  # of `drafts`, drafted ahead by a pipelined drafter (draft-cache hits)
+    by_drafter: dict[str, int] = field(default_factory=dict)  # of `drafts`, per drafter that made them
 
-    def observe_draft(self, num_draft: int, num_accepted: int, cached: bool = False) -> None:
+    def observe_draft(self, num_draft: int, num_accepted: int, cached: bool = False, drafter: str | None = None) -> None:
         if num_draft == 0:
             return
         self.drafts += 1
+        if drafter:
+            self.by_drafter[drafter] = self.by_drafter.get(drafter, 0) + 1
         self.cached_drafts += cached
         self.draft_tokens += num_draft
         self.accepted_tokens += num_accepted
@@ -38,4 +41,5 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "accepted_per_pos": list(self.accepted_per_pos), "cached_drafts": self.cached_drafts}
+                "accepted_per_pos": list(self.accepted_per_pos), "cached_drafts": self.cached_drafts,
+                "drafts_by_drafter": dict(self.by_drafter)}

@@ -199,10 +199,10 @@ class Speculator:
             self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
                                            n_acc, e.drafts.drafter if n else None)
             cached = bool(n and e.drafts.cached)
-            e.seq.spec_stats.observe_draft(n, n_acc, cached)
+            drafter = (e.drafts.drafter or self.config.method or "unknown") if n else None
+            e.seq.spec_stats.observe_draft(n, n_acc, cached, drafter)
             if n:
-                self.stats_by_drafter[e.drafts.drafter or self.config.method or "unknown"].observe_draft(n, n_acc,
-                                                                                                      cached)
+                self.stats_by_drafter[drafter].observe_draft(n, n_acc, cached)
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)

@@ -47,16 +47,25 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class SpecCounters(_message.Message):
-    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
+    __slots__ = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "drafts_by_drafter")
+    class DraftsByDrafterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     drafts: int
     draft_tokens: int
     accepted_tokens: int
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafts_by_drafter: _containers.ScalarMap[str, int]
+    def __init__(self, drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., drafts_by_drafter: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -57,7 +57,8 @@ def test_greedy_completion_matches_the_offline_engine(client, reference):
     assert whole.choices[0].finish_reason == ref.finish_reason
     assert whole.usage.completion_tokens == len(ref.token_ids)
     assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert set(whole.usage.model_extra["speculative"]) == {"drafts", "draft_tokens", "accepted_tokens"}
+    assert set(whole.usage.model_extra["speculative"]) == {"drafts", "draft_tokens", "accepted_tokens",
+                                                           "accepted_per_pos", "mean_acceptance_length", "drafters"}
 
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ref.text

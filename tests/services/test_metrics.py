@@ -120,7 +120,9 @@ def test_speculation_off_adds_nothing_to_the_speculation_counters(stack):
     before = _spec_counters(scrape(stack)["verifier"])
     for i, (chat, stream) in enumerate([(False, False), (True, True)]):
         usage = _complete(client, i, chat=chat, stream=stream, extra=SPEC_OFF)
-        assert usage.model_extra["speculative"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        assert usage.model_extra["speculative"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                                                    "accepted_per_pos": [], "mean_acceptance_length": 1.0,
+                                                    "drafters": {}}
         assert usage.completion_tokens > 0
     assert _spec_counters(scrape(stack)["verifier"]) == before
 

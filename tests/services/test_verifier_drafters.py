@@ -119,6 +119,11 @@ def test_greedy_identical_with_each_drafter_and_without(stack, prompts, referenc
             assert drafts > 0, f"no speculation happened with {kw}"
             accepted = sum(spec["accepted_tokens"] for _, _, spec in results)
             assert 0 < accepted <= drafts
+        for _, _, spec in results:  # per request: who drafted, and acceptance per position
+            assert sum(spec["drafters"].values()) == spec["drafts"]
+            assert set(spec["drafters"]) <= ({kw["drafter"]} if "drafter" in kw else {"dm", "ng"})
+            assert sum(spec["accepted_per_pos"]) == spec["accepted_tokens"]
+            assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / max(spec["drafts"], 1))
 
 
 def test_unknown_drafter_and_bad_params_are_client_errors(stack, prompts):
