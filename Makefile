@@ -24,7 +24,7 @@ fetch: install
 # The whole stack on this machine: gateway on :8000, verifier on SmolLM2-135M-Instruct, the
 # trained draft_model drafter and a suffix drafter. Prints the URL and a curl to try. Ctrl-C stops it.
 up: fetch
-	$(VENV)/bin/specd up --threads $(THREADS)
+	$(VENV)/bin/specd up
 
 test: install-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each service's gRPC port + 1000; 0: off). The gateway serves its own /metrics")
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the verifier (default: the cores this process may use, at most 8)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
     p.add_argument("--pipeline", action="store_true",
                    help="pipelined drafting for the draft_model drafter (it drafts ahead while the verifier "
@@ -85,6 +86,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def default_threads() -> int:
+    """The verifier's threads: every core we may run on (at most 8: a decode step of a small model
+    gains nothing past that). Drafters draft while the verifier waits for them, so they share
+    those cores instead of taking some away."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def parse_drafter(value: str) -> tuple[str, str | None]:
@@ -198,6 +206,7 @@ def run(args) -> int:
     from specd import model_store
 
     drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
+    threads = args.threads or default_threads()
     target = args.target or model_store.default_target()
     if any(m == "draft_model" and not model for m, model in drafters):
         if args.target:
@@ -254,7 +263,7 @@ def run(args) -> int:
             # sequences by client, one client id per verifier process).
             metrics_port = replica_metrics_port(args, verifier_metrics, i)
             argv = ["verifier", "--model", target, "--port", address.rpartition(":")[2], "--metrics-port",
-                    str(metrics_port), "--threads", str(args.threads), *drafter_flags, *log, *server_tls,
+                    str(metrics_port), "--threads", str(threads), *drafter_flags, *log, *server_tls,
                     *client_tls]
             if metrics_port:
                 metrics_urls.insert(1 + i, (name, f"http://127.0.0.1:{metrics_port}/metrics"))
@@ -288,6 +297,9 @@ def run(args) -> int:
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
         print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it"
               + (f"; give it --tls-ca {tls_ca})" if tls_ca else ")"), flush=True)
+        print(f"threads: verifier {threads}" + (f", each drafter {args.drafter_threads} (drafters draft while the "
+              "verifier waits for them: they share its cores)" if drafters else "")
+              + "; the verifier picks its dtype (`auto`: bfloat16 on a CPU with bf16 units)", flush=True)
         cacert = f"--cacert {tls_ca} " if tls_ca else ""
         print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
