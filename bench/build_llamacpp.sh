@@ -44,9 +44,10 @@ BIN_DIR="$BENCH_DIR/bin"
 # this llama.cpp version is a chat front-end linked against the server, so we
 # do not build it), timing (llama-bench, llama-simple), speculative decoding
 # with a draft model (llama-speculative, llama-speculative-simple), and
-# prompt-lookup / n-gram decoding (llama-lookup, llama-lookahead).
+# prompt-lookup / n-gram decoding (llama-lookup, llama-lookahead), and the OpenAI-compatible
+# server (llama-server) that bench/default_stack.py serves side by side with specd.
 TARGETS=(llama-completion llama-simple llama-bench llama-speculative
-         llama-speculative-simple llama-lookup llama-lookahead llama-tokenize)
+         llama-speculative-simple llama-lookup llama-lookahead llama-tokenize llama-server)
 
 WITH_MODELS=""
 case "${1:-}" in
@@ -106,7 +107,7 @@ if [[ ! -f "$BUILD_DIR/CMakeCache.txt" || -n "${FORCE_CONFIGURE:-}" ]]; then
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
         -DGGML_BACKEND_DL=OFF \
         -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_APP=OFF \
         -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_OPENSSL=OFF \
