@@ -5,6 +5,7 @@ stops them all on Ctrl-C or SIGTERM (a child that dies takes the stack down with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,8 @@ READY_TIMEOUT_S = 180.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--drafter", action="append", default=None, metavar="METHOD[:MODEL]",
-                   help="a drafter to start (repeatable): draft_model[:MODEL], ngram or suffix "
+                   help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
+                        "(OPTIONS: the drafter's --options JSON) "
                         "(default: draft_model on the default target's trained drafter, and suffix)")
     p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
     p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of the verifier (default: the cores this process may use, at most 8)")
+                   help="torch threads of the verifier (default: the cores this process may use but one, at most 8)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
     p.add_argument("--pipeline", action="store_true",
                    help="pipelined drafting for the draft_model drafter (it drafts ahead while the verifier "
@@ -89,19 +91,29 @@ def _free_port() -> int:
 
 
 def default_threads() -> int:
-    """The verifier's threads: every core we may run on (at most 8: a decode step of a small model
-    gains nothing past that). Drafters draft while the verifier waits for them, so they share
-    those cores instead of taking some away."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """The verifier's threads: the cores we may run on but one, at most 8. The gateway, the
+    drafters and the verifier's own event loop wake up for every token; where they land on a core
+    the verifier computes on, its OpenMP threads wait for each other at every barrier: on a 2-core
+    AMD EPYC, plain decode over HTTP gave 58 tok/s with 1 verifier thread and 46-57 with 2 (in
+    process: 60 and 91), 2026-11-25. Drafters draft while the verifier waits for them, so they
+    share the cores instead of taking some away."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores - 1))
 
 
 def parse_drafter(value: str) -> tuple[str, str | None]:
-    method, _, model = value.partition(":")
+    """METHOD[:MODEL] for draft_model, METHOD[:JSON options] for ngram and suffix -> (method, model or options)."""
+    method, _, rest = value.partition(":")
     if method not in ("draft_model", "ngram", "suffix"):
-        raise ValueError(f"--drafter: unknown method {method!r} (draft_model[:MODEL], ngram or suffix)")
-    if model and method != "draft_model":
-        raise ValueError(f"--drafter: only draft_model takes a model, got {value!r}")
-    return method, model or None
+        raise ValueError(f"--drafter: unknown method {method!r} (draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS])")
+    if rest and method != "draft_model":
+        try:
+            if not isinstance(json.loads(rest), dict):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--drafter: {method} takes JSON options after the colon (e.g. "
+                             f"suffix:{{\"suffix_decoding_max_cached_requests\": 0}}), got {rest!r}") from None
+    return method, rest or None
 
 
 class Stack:
@@ -251,6 +263,8 @@ def run(args) -> int:
                     *server_tls]
             if method == "draft_model":
                 argv += ["--model", model] + (["--pipeline"] if args.pipeline else [])
+            elif model:
+                argv += ["--options", model]
             stack.start(f"drafter {name}", argv)
             checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a, security)))
             drafter_flags += ["--trusted-drafter", f"{name}=127.0.0.1:{port}"]

@@ -157,3 +157,15 @@ def test_up_with_tls_serves_https_and_grpc_over_tls(launcher, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_drafter_flags_take_a_model_or_options():
+    from specd.up import parse_drafter
+
+    assert parse_drafter("draft_model:/models/d") == ("draft_model", "/models/d")
+    assert parse_drafter('suffix:{"suffix_decoding_max_cached_requests": 0}') == (
+        "suffix", '{"suffix_decoding_max_cached_requests": 0}')
+    assert parse_drafter("ngram") == ("ngram", None)
+    for bad, why in (("suffix:/models/d", "JSON options"), ("ngram:[1]", "JSON options"), ("medusa", "unknown method")):
+        with pytest.raises(ValueError, match=why):
+            parse_drafter(bad)
