@@ -183,6 +183,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         spec = self.speculator
         if spec is not None:
+            spec.controller.close_cycle(t0)
             self.runner.capture_layers = spec.feature_layers
             budget_left = self.scheduler.max_num_batched_tokens - sum(e.num_new_tokens for e in batch)
             self.scheduler.attach_drafts(batch, spec.propose(batch, budget_left))
@@ -198,6 +199,8 @@ class LLMEngine:
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
         finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features,
                                               self.runner.capture_layers, out.paths, self.runner.copy_kv)
+        if spec is not None:
+            spec.end_step(batch, out.num_accepted, t0, t2 - t0, bool(finished))
         for seq in finished:
             self._release(seq)
         return finished

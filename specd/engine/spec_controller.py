@@ -111,6 +111,67 @@ class _SeqDrafter:
     made: _Acceptance = field(default_factory=_Acceptance)
 
 
+class _Rate:
+    """Exponentially weighted tokens per second of one kind of step cycle (recent cycles count most:
+    a probe of a few cycles is enough to change the verdict)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.n = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds, self.n = 0.7 * self.tokens + tokens, 0.7 * self.seconds + seconds, self.n + 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class RealizedGuard:
+    """Never slower, whatever the cost model believes: per decoding batch size (in powers of two),
+    the tokens per second that decode cycles really gave (from one step's start to the next's,
+    so the service's own work per step counts) with speculation and without. Speculation goes on
+    only while it has been at least as fast as plain decoding; every PROBE_EVERY cycles the side
+    not in use runs PROBE_CYCLES cycles so both stay fresh (about 6% of cycles off the best)."""
+
+    PROBE_EVERY = 64
+    PROBE_CYCLES = 4
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, str], _Rate] = {}
+        self.since_probe: dict[int, int] = {}
+        self.probing: dict[int, int] = {}  # cycles of the current probe left
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return 1 << max(0, num_seqs - 1).bit_length()
+
+    def rate(self, num_seqs: int, mode: str) -> _Rate:
+        return self.rates.setdefault((self.bucket(num_seqs), mode), _Rate())
+
+    def allows(self, num_seqs: int) -> bool:
+        """Whether a step the cost model wants speculative may speculate."""
+        b = self.bucket(num_seqs)
+        plain, spec = self.rate(num_seqs, "plain"), self.rate(num_seqs, "spec")
+        if spec.n < self.PROBE_CYCLES:
+            return True  # first measure what the model wants
+        if plain.n < self.PROBE_CYCLES:
+            return False  # then what it would leave
+        winning = spec.rate >= plain.rate
+        if self.probing.get(b):
+            self.probing[b] -= 1
+            return not winning
+        self.since_probe[b] = self.since_probe.get(b, 0) + 1
+        if self.since_probe[b] >= self.PROBE_EVERY:
+            self.since_probe[b], self.probing[b] = 0, self.PROBE_CYCLES - 1
+            return not winning
+        return winning
+
+    def observe(self, num_seqs: int, mode: str, tokens: int, seconds: float) -> None:
+        if mode in ("plain", "spec") and seconds > 0:
+            self.rate(num_seqs, mode).observe(tokens, seconds)
+
+
 class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
@@ -121,6 +182,9 @@ class SpecController:
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
         self.explore_seq: int | None = None  # the sequence that explores while it runs
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
+        self.guard = RealizedGuard()
+        self._cycle: tuple | None = None
+        self.step_mode = "plain"  # this step as the guard sees it: plain, spec, or explore / untimed (not timed)
 
     def drafter(self, name: str | None = None) -> _Drafter:
         return self.drafters.setdefault(name, _Drafter())
@@ -143,6 +207,7 @@ class SpecController:
         self.pinned = pinned or {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
+            self.step_mode = "untimed"  # the guard learns nothing from steps the model did not choose
             return [(f if f is not None else min(self.max_k, cap),
                      self.pinned.get(sid) or self.current.get(sid, names[0]))
                     for f, (sid, cap, _) in zip(fixed, seqs)]
@@ -154,7 +219,13 @@ class SpecController:
                 if rate > best_rate * (SWITCH_MARGIN if best is None or best[0] == 0 else 1.01):
                     best, best_rate = (k, choice), rate
         choice = best[1]
-        self._explore(choice, fixed, seqs, base_tokens, names)
+        if best[0] > 0 and not self.guard.allows(len(seqs)):
+            choice = [(f if f is not None else 0, name) for f, (_, name) in zip(fixed, choice)]
+        # Requests with their own k are neither plain nor the controller's choice: not timed.
+        self.step_mode = ("untimed" if any(fixed) else
+                          "spec" if any(k for k, _ in choice) else "plain")
+        if self._explore(choice, fixed, seqs, base_tokens, names):
+            self.step_mode = "explore"
         return choice
 
     def _rate(self, seqs, fixed, k: int, subset: list[str | None], base_tokens: int):
@@ -203,13 +274,13 @@ class SpecController:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
-    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> None:
+    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> bool:
         """Let one sequence that is not speculating draft at full k, when the budget allows, with
-        the drafter it has tried least."""
+        the drafter it has tried least. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
-            return
+            return False
         i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         sid = seqs[i][0]
         tried = self.per_seq.get(sid, {})
@@ -221,6 +292,21 @@ class SpecController:
             self.explore_credit = min(self.explore_credit - cost, cost)
             self.explore_seq = sid
             choice[i] = (k, name)
+            return True
+        return False
+
+    def open_cycle(self, num_seqs: int, tokens: int, start: float, compute_s: float) -> None:
+        """A decode-only step began at `start`, committed `tokens` for num_seqs sequences and
+        computed for compute_s; its cycle ends when the next step begins (close_cycle)."""
+        self._cycle = (num_seqs, self.step_mode, tokens, start, compute_s)
+
+    def close_cycle(self, now: float) -> None:
+        cycle, self._cycle = self._cycle, None
+        if cycle is None:
+            return
+        num_seqs, mode, tokens, start, compute_s = cycle
+        if now - start <= 2 * compute_s + 0.05:  # longer: the engine waited for work, not an overhead
+            self.guard.observe(num_seqs, mode, tokens, now - start)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, LinearCost, SpecController, expected_tokens
+from specd.engine.spec_controller import (EXPLORE_SHARE, MIN_SAMPLES, LinearCost, RealizedGuard, SpecController,
+                                          expected_tokens)
 from specd.engine.spec_stats import SpecStats
 
 
@@ -92,10 +93,11 @@ def test_exploration_spends_a_bounded_share_of_verify_time():
 def test_spec_stats_counts_and_ratios():
     s = SpecStats()
     s.observe_draft(0, 0)  # no drafts: nothing counted
-    s.observe_draft(4, 2)
-    s.observe_draft(3, 3, cached=True)  # drafted ahead by a pipelined drafter
+    s.observe_draft(4, 2, drafter="model")
+    s.observe_draft(3, 3, cached=True, drafter="suffix")  # drafted ahead by a pipelined drafter
+    s.observe_draft(0, 0, drafter="suffix")  # an empty proposal is no draft
     assert s.to_dict() == {"drafts": 2, "draft_tokens": 7, "accepted_tokens": 5, "accepted_per_pos": [2, 2, 1, 0],
-                           "cached_drafts": 1}
+                           "cached_drafts": 1, "drafts_by_drafter": {"model": 1, "suffix": 1}}
     assert abs(s.acceptance_rate - 5 / 7) < 1e-12 and s.mean_acceptance_length == 3.5
 
 
@@ -183,3 +185,45 @@ def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
     c.explore_credit = 1.0
     plan = c.plan([(i, 4, None) for i in range(8)], 8, ["model", "suffix"])
     assert [p for p in plan if p[0]] == [(4, "suffix")]
+
+
+def test_realized_guard_turns_speculation_off_where_it_ran_slower():
+    """The cost model says speculate; measured cycles say plain decoding was faster: the guard
+    lets speculation run only on its probes, and lets it back once it is faster."""
+    c = _trained(lambda t: 0.010 + 0.00001 * t, alpha=0.9, seqs=range(8))
+    seqs = [(i, 4, None) for i in range(8)]
+    now, spec_steps = 0.0, 0
+    for step in range(300):
+        c.close_cycle(now)  # as the engine: the last cycle ends where this step begins
+        ks = c.choose(seqs, base_tokens=8)
+        spec = any(ks)
+        spec_steps += spec
+        tokens, seconds = (16, 0.020) if spec else (8, 0.008)  # speculating: 800 tok/s, plain: 1000
+        c.open_cycle(8, tokens, now, seconds)
+        now += seconds
+    g = RealizedGuard
+    assert spec_steps <= g.PROBE_CYCLES * (1 + 300 // g.PROBE_EVERY)
+    # Speculation now really pays (24 tokens in 20 ms): after a probe it stays on.
+    spec_steps = 0
+    for step in range(300):
+        c.close_cycle(now)
+        ks = c.choose(seqs, base_tokens=8)
+        spec = any(ks)
+        spec_steps += spec
+        tokens, seconds = (24, 0.020) if spec else (8, 0.008)
+        c.open_cycle(8, tokens, now, seconds)
+        now += seconds
+    assert spec_steps >= 300 - g.PROBE_EVERY - g.PROBE_CYCLES * (1 + 300 // g.PROBE_EVERY)
+
+
+def test_realized_guard_ignores_idle_gaps_and_batch_sizes_apart():
+    g = RealizedGuard()
+    assert g.bucket(1) == 1 and g.bucket(3) == 4 and g.bucket(8) == 8 and g.bucket(9) == 16
+    c = SpecController(4)
+    c.step_mode = "plain"
+    c.open_cycle(1, 1, 0.0, 0.010)
+    c.close_cycle(5.0)  # the engine waited for a request: no cycle
+    assert c.guard.rate(1, "plain").n == 0
+    c.open_cycle(1, 1, 5.0, 0.010)
+    c.close_cycle(5.012)
+    assert c.guard.rate(1, "plain").n == 1 and c.guard.rate(8, "plain").n == 0
