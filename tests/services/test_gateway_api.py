@@ -177,8 +177,10 @@ def test_completion_whole_and_streamed_give_the_same_text(client, fake):
     n = len(fake.reply_ids) + 1  # + EOS
     assert whole["usage"]["completion_tokens"] == n
     assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + n
-    assert whole["usage"]["speculative"] == {"drafts": (n + 1) // 2, "draft_tokens": 4 * ((n + 1) // 2),
-                                             "accepted_tokens": n}
+    drafts = (n + 1) // 2
+    assert whole["usage"]["speculative"] == {"drafts": drafts, "draft_tokens": 4 * drafts, "accepted_tokens": n,
+                                             "accepted_per_pos": [], "mean_acceptance_length": 1 + n / drafts,
+                                             "drafters": {}}
 
     evs = events(client.post(COMPLETIONS, json={**body, "stream": True, "stream_options": {"include_usage": True}}))
     chunks, usage_chunk, done = evs[:-2], evs[-2], evs[-1]
