@@ -9,13 +9,14 @@
 //
 // The weight is packed once at load (pack_linear_weight) into blocks of 16 output columns x K pairs,
 // [ceil(N/16), ceil(K/2), 16, 2], so one 64-byte load holds the pair (k, k+1) of 16 columns:
-// the operand layout of AVX512-BF16's vdpbf16ps. CPUs without it (AVX-512 only) widen the pair to
-// float32 and take two FMAs in the same order.
+// the operand layout of AVX512-BF16's vdpbf16ps. CPUs without it widen the pair to float32 and take
+// two FMAs in the same order: in 16 lanes with AVX-512, in two halves of 8 with AVX2 (kernels/cpu_simd.h).
 #include "cpu_bf16_matmul.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
+
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -26,9 +27,10 @@ namespace specd_cpu {
 namespace {
 
 using bf16 = at::BFloat16;
-constexpr int64_t LANES = 16;  // output columns per packed block
+using namespace specd_simd;
 constexpr int64_t PREFETCH = 16;  // pairs ahead
 
+#if defined(__AVX512F__)
 // SPECD_CPU_BF16_DOT=0 takes the FMA path on CPUs with AVX512-BF16 too (tests cover both paths).
 bool has_avx512_bf16() {
   static const bool yes = [] {
@@ -38,14 +40,20 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+using XPair = __m512i;  // x's pair (k, k+1) as one 32-bit value in every lane
+struct WBlock {  // pairs (k, k+1) of 16 columns
+  __m512i v;
+};
+inline WBlock load_block(const bf16* w) { return {_mm512_loadu_si512(w)}; }
+
 // x's pair (k, k+1) as one 32-bit value, broadcast to 16 lanes; odd K's last pair has k + 1 = 0.
-inline __m512i pair(const bf16* x) {
+inline XPair pair(const bf16* x) {
   int32_t bits;
   std::memcpy(&bits, x, 4);
   return _mm512_set1_epi32(bits);
 }
 
-inline __m512i last_pair(const bf16* x) {
+inline XPair last_pair(const bf16* x) {
   uint16_t bits;
   std::memcpy(&bits, x, 2);
   return _mm512_set1_epi32(bits);
@@ -54,30 +62,78 @@ inline __m512i last_pair(const bf16* x) {
 struct Dot {  // acc += x_k w_k + x_k+1 w_k+1 per lane, in one instruction
   // Inline assembly, not the intrinsic: the intrinsic needs the whole caller compiled for
   // AVX512-BF16, which would let the compiler use it elsewhere on CPUs without it.
-  static inline __m512 step(__m512 acc, __m512i x, __m512i w) {
-    asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "v"(w));
+  static inline V16 step(V16 acc, XPair x, WBlock w) {
+    asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc.v) : [x] "v"(x), [w] "v"(w.v));
     return acc;
   }
 };
 
 struct Fma {  // the same pair as two float32 FMAs, k then k + 1
-  static inline __m512 step(__m512 acc, __m512i x, __m512i w) {
+  static inline V16 step(V16 acc, XPair x, WBlock w) {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-                          _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
-                           _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+    acc.v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(w.v, 16)), acc.v);
+    acc.v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                            _mm512_castsi512_ps(_mm512_and_si512(w.v, high)), acc.v);
+    return acc;
   }
 };
 
+// Tiles (rows x column blocks) that fit 32 vector registers.
+constexpr int DECODE_R = 2, DECODE_C = 8, BLOCK_R = 6, BLOCK_C = 4;
+#else  // AVX2 + FMA: the same pairs, as two 8-lane halves, and no bf16 dot product
+bool has_avx512_bf16() { return false; }
+
+using XPair = __m256i;
+struct WBlock {
+  __m256i lo, hi;  // columns 0-7, 8-15
+};
+inline WBlock load_block(const bf16* w) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16))};
+}
+
+inline XPair pair(const bf16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, 4);
+  return _mm256_set1_epi32(bits);
+}
+
+inline XPair last_pair(const bf16* x) {
+  uint16_t bits;
+  std::memcpy(&bits, x, 2);
+  return _mm256_set1_epi32(bits);
+}
+
+struct Dot {  // never taken: has_avx512_bf16() is false
+  static inline V16 step(V16 acc, XPair, WBlock) { return acc; }
+};
+
+struct Fma {  // two float32 FMAs per lane, k then k + 1
+  static inline __m256 half(__m256 acc, __m256 xk, __m256 xk1, __m256i w, __m256i high) {
+    acc = _mm256_fmadd_ps(xk, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), acc);
+    return _mm256_fmadd_ps(xk1, _mm256_castsi256_ps(_mm256_and_si256(w, high)), acc);
+  }
+  static inline V16 step(V16 acc, XPair x, WBlock w) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256 xk = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    const __m256 xk1 = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+    return {half(acc.lo, xk, xk1, w.lo, high), half(acc.hi, xk, xk1, w.hi, high)};
+  }
+};
+
+// Tiles that fit 16 vector registers (each block's accumulator takes two).
+constexpr int DECODE_R = 2, DECODE_C = 2, BLOCK_R = 4, BLOCK_C = 1;
+#endif
+
 // 16 outputs (the first `valid`) as float32, or rounded to nearest even as torch's float -> bfloat16.
-inline void store(__m512 v, int64_t valid, __mmask16 mask, bf16* y, float* yf) {
+inline void store_out(V16 v, int64_t valid, bf16* y, float* yf) {
   if (yf) {
-    _mm512_mask_storeu_ps(yf, mask, v);
+    store_first(yf, v, valid);
     return;
   }
   alignas(64) float tmp[LANES];
-  _mm512_store_ps(tmp, v);
+  store(tmp, v);
   for (int64_t l = 0; l < valid; ++l) y[l] = bf16(tmp[l]);
 }
 
@@ -86,18 +142,18 @@ template <class Op, int R, int C>
 void tile(
     const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K, const float* bias, int64_t n0, int64_t N,
     bf16* y, int64_t ldy, float* yf) {
-  __m512 acc[R][C];
+  V16 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
   const int64_t block = pairs * 2 * LANES;  // one column block's elements
   auto step = [&](int64_t p, auto broadcast) __attribute__((always_inline)) {
-    __m512i wv[C];
+    WBlock wv[C];
     for (int c = 0; c < C; ++c) {
-      wv[c] = _mm512_loadu_si512(w + c * block + p * 2 * LANES);
+      wv[c] = load_block(w + c * block + p * 2 * LANES);
       _mm_prefetch(reinterpret_cast<const char*>(w + c * block + (p + PREFETCH) * 2 * LANES), _MM_HINT_T0);
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i xv = broadcast(x + r * ldx + 2 * p);
+      const XPair xv = broadcast(x + r * ldx + 2 * p);
       for (int c = 0; c < C; ++c) acc[r][c] = Op::step(acc[r][c], xv, wv[c]);
     }
   };
@@ -107,10 +163,9 @@ void tile(
   for (int c = 0; c < C; ++c) {
     const int64_t n = n0 + c * LANES;
     const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(LANES, N - n));
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) store(_mm512_add_ps(acc[r][c], b), valid, mask, y ? y + r * ldy + n : nullptr,
-                                      yf ? yf + r * ldy + n : nullptr);
+    const V16 b = bias ? load_first(bias + n, valid) : zero();
+    for (int r = 0; r < R; ++r) store_out(add(acc[r][c], b), valid, y ? y + r * ldy + n : nullptr,
+                                          yf ? yf + r * ldy + n : nullptr);
   }
 }
 
@@ -128,27 +183,18 @@ void rows_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* w, int64_t 
   }
 }
 
-// `blocks` column blocks from n0 (at most 8): as tiles of 8, 4, 2 and 1 blocks, so no load
-// reaches past the weight's last block.
-template <class Op, int R>
+// `blocks` column blocks from n0: as tiles of C blocks, then C/2, ... 1, so no load reaches past
+// the weight's last block.
+template <class Op, int R, int C>
 void column_tiles(int64_t blocks, int64_t rows, const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K,
                   const float* bias, int64_t n0, int64_t N, bf16* y, float* yf) {
-  for (int64_t done = 0; done < blocks;) {
-    const int64_t left = blocks - done, n = n0 + done * LANES;
-    const bf16* wt = w + done * pairs * 2 * LANES;
-    if (left >= 8 && R <= 2) {
-      rows_tile<Op, R, 8>(rows, x, ldx, wt, pairs, K, bias, n, N, y, N, yf);
-      done += 8;
-    } else if (left >= 4) {
-      rows_tile<Op, R, 4>(rows, x, ldx, wt, pairs, K, bias, n, N, y, N, yf);
-      done += 4;
-    } else if (left >= 2) {
-      rows_tile<Op, R, 2>(rows, x, ldx, wt, pairs, K, bias, n, N, y, N, yf);
-      done += 2;
-    } else {
-      rows_tile<Op, R, 1>(rows, x, ldx, wt, pairs, K, bias, n, N, y, N, yf);
-      done += 1;
-    }
+  int64_t done = 0;
+  for (; blocks - done >= C; done += C)
+    rows_tile<Op, R, C>(rows, x, ldx, w + done * pairs * 2 * LANES, pairs, K, bias, n0 + done * LANES, N, y, N, yf);
+  if constexpr (C > 1) {
+    if (done < blocks)
+      column_tiles<Op, R, C / 2>(blocks - done, rows, x, ldx, w + done * pairs * 2 * LANES, pairs, K, bias,
+                                 n0 + done * LANES, N, y, yf);
   }
 }
 
@@ -156,10 +202,12 @@ template <class Op>
 void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y, float* yf) {
   const int64_t pairs = (K + 1) / 2, blocks = (N + LANES - 1) / LANES;
   // Tile shapes change only the speed: each output's accumulation order is fixed above.
-  // One or two rows (decode): 8 column blocks per tile keep enough FMAs in flight to stream W.
-  // More (verify blocks, prefill): 6 rows x 4 column blocks. Work items are (column tile, chunk of
-  // 48 rows), tile-major, so a thread's next item reads the same W tile from cache, not memory.
-  const int64_t C = M <= 2 ? 8 : 4, tiles = (blocks + C - 1) / C, chunk = 48;
+  // One or two rows (decode): wide tiles keep enough FMAs in flight to stream W. More (verify
+  // blocks, prefill): taller tiles that reuse each W load across rows. Work items are (column
+  // tile, chunk of 48 rows), tile-major, so a thread's next item reads the same W tile from
+  // cache, not memory.
+  const bool decode = M <= 2;
+  const int64_t C = decode ? DECODE_C : BLOCK_C, tiles = (blocks + C - 1) / C, chunk = 48;
   const int64_t chunks = (M + chunk - 1) / chunk;
   at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -168,10 +216,10 @@ void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const
       const bf16* wt = w + t * C * pairs * 2 * LANES;
       bf16* yt = y ? y + r0 * N : nullptr;
       float* yft = yf ? yf + r0 * N : nullptr;
-      if (C == 8) {
-        column_tiles<Op, 2>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
+      if (decode) {
+        column_tiles<Op, DECODE_R, DECODE_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
       } else {
-        column_tiles<Op, 6>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
+        column_tiles<Op, BLOCK_R, BLOCK_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
       }
     }
   });

@@ -10,19 +10,20 @@
 // the compiler can vectorise that without reassociating anything.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "cpu_bf16_matmul.h"
+#include "cpu_simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
 
 namespace {
 
-using bf16 = at::BFloat16;
-constexpr int L = 16;
+using namespace specd_simd;
+constexpr int L = LANES;
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
@@ -42,20 +43,13 @@ inline float sum_squares(const bf16* x, int64_t n) {
   return fold(part);
 }
 
-inline __m512 load16(const bf16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
 // sum_i a[i] * b[i]: 16 partial sums (lane l takes i = l, l + 16, ...), then a fixed reduction tree.
 inline float dot(const bf16* a, const float* b, int64_t n) {
-  __m512 part = _mm512_setzero_ps();
+  V16 part = zero();
   int64_t i = 0;
-  for (; i + L <= n; i += L) part = _mm512_fmadd_ps(load16(a + i, 0xFFFF), _mm512_loadu_ps(b + i), part);
-  if (i < n) {
-    const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
-    part = _mm512_fmadd_ps(load16(a + i, mask), _mm512_maskz_loadu_ps(mask, b + i), part);
-  }
-  return _mm512_reduce_add_ps(part);
+  for (; i + L <= n; i += L) part = fmadd(load_bf16(a + i), load(b + i), part);
+  if (i < n) part = fmadd(load_bf16_first(a + i, n - i), load_first(b + i, n - i), part);
+  return reduce_add(part);
 }
 
 // exp(x) from arithmetic and bit operations only, so loops over it vectorise (std::exp does not,
@@ -209,25 +203,25 @@ template <int C>
 inline void attend_row(const float* qf, const bf16* kh, const bf16* vh, const int64_t* rows, int64_t n, float scale,
                        float* scores, float* out) {
   constexpr int64_t D = 16 * C;
-  __m512 q[C];
-  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+  V16 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load(qf + 16 * c);
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     const bf16* k = kh + rows[j] * D;
-    __m512 part = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c) part = _mm512_fmadd_ps(load16(k + 16 * c, 0xFFFF), q[c], part);
-    scores[j] = _mm512_reduce_add_ps(part) * scale;
+    V16 part = zero();
+    for (int c = 0; c < C; ++c) part = fmadd(load_bf16(k + 16 * c), q[c], part);
+    scores[j] = reduce_add(part) * scale;
     mx = std::max(mx, scores[j]);
   }
   const float total = exp_and_sum(scores, n, mx);
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  V16 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = zero();
   for (int64_t j = 0; j < n; ++j) {
     const bf16* v = vh + rows[j] * D;
-    const __m512 p = _mm512_set1_ps(scores[j] / total);
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * c, 0xFFFF), acc[c]);
+    const V16 p = set1(scores[j] / total);
+    for (int c = 0; c < C; ++c) acc[c] = fmadd(p, load_bf16(v + 16 * c), acc[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+  for (int c = 0; c < C; ++c) store(out + 16 * c, acc[c]);
 }
 
 // Attention of each new token over its keys in the paged cache, read in place through the block table.
@@ -303,11 +297,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t j = 0; j < n; ++j) {
           const bf16* v = vh + rows[j] * D;
-          const __m512 p = _mm512_set1_ps(scores[j] / total);
+          const V16 p = set1(scores[j] / total);
           for (int64_t d = 0; d < D; d += L) {
-            const __mmask16 mask = D - d >= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - d)) - 1);
-            _mm512_mask_storeu_ps(acc.data() + d, mask,
-                                  _mm512_fmadd_ps(p, load16(v + d, mask), _mm512_maskz_loadu_ps(mask, acc.data() + d)));
+            const int64_t n = std::min<int64_t>(L, D - d);
+            store_first(acc.data() + d, fmadd(p, load_bf16_first(v + d, n), load_first(acc.data() + d, n)), n);
           }
         }
       }

@@ -1,9 +1,11 @@
 """Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu).
 
 Compiled once per machine with the C++ compiler torch's extension loader finds, into
-$SPECD_CACHE/torch_extensions; later loads take a second. Where that fails (no compiler, no
-ninja, not Linux on x86-64 with AVX-512) `available()` is False and the engine keeps its torch
-path, logging why once. SPECD_CPU_KERNELS=0 turns the ops off.
+$SPECD_CACHE/torch_extensions/<torch version>-<ISA>; later loads take a second. The ISA is the
+widest the CPU offers: AVX-512 (f, bw, vl), else AVX2 with FMA (some hypervisors hide AVX-512 of
+the CPUs under them); kernels/cpu_simd.h gives the ops the same per-element arithmetic on both.
+Where that fails (no compiler, no ninja, not Linux on x86-64, neither ISA) `available()` is
+False and the engine keeps its torch path, logging why once. SPECD_CPU_KERNELS=0 turns the ops off.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp")]
-REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # what the -m flags below let the compiler use
+# ISA -> the CPU flags its -m flags let the compiler use, widest first.
+ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 
 
 def cpu_flags() -> set[str]:
@@ -30,21 +33,30 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _build() -> None:
+def isa() -> str | None:
+    """The instruction set the ops are built for on this CPU, or None where they cannot be."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = cpu_flags()
+    return next((name for name, needs in ISAS.items() if set(needs) <= flags), None)
+
+
+def _build(name: str) -> None:
     from torch.utils.cpp_extension import load
 
     from specd.cache import cache_root
 
-    build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}"
+    # One build per torch and ISA: a cache shared between machines (a volume) never loads code
+    # for instructions this CPU lacks.
+    build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}-{name}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # The ops are plain C++ the compiler vectorises; AVX-512 widens its vectors to 16 floats.
-    load(name="specd_cpu_bf16_ops", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-fopenmp"] + [f"-m{flag}" for flag in sorted(REQUIRED_FLAGS)], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    load(name=f"specd_cpu_bf16_ops_{name}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+         extra_cflags=["-O3", "-fopenmp"] + [f"-m{flag}" for flag in ISAS[name]], extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
 
 
 def cpu_supported() -> bool:
-    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and REQUIRED_FLAGS <= cpu_flags())
+    return isa() is not None
 
 
 @functools.cache
@@ -54,10 +66,11 @@ def available() -> bool:
     if os.environ.get("SPECD_CPU_KERNELS", "1") == "0":
         why = "SPECD_CPU_KERNELS=0"
     elif not cpu_supported():
-        why = f"built for Linux x86-64 with AVX-512 only (this is {platform.system()} {platform.machine()})"
+        why = (f"built for Linux x86-64 with AVX-512 or AVX2 + FMA only (this is {platform.system()} "
+               f"{platform.machine()})")
     else:
         try:
-            _build()
+            _build(isa())
         except Exception as e:  # a missing compiler or ninja surfaces as various errors
             why = f"building {SOURCES[0].name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
     if why:

@@ -39,8 +39,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): bfloat16 on a CPU with bf16 units (AVX512-BF16 or AMX) where the fused "
-                        "ops build, else float32; on GPU the checkpoint's dtype")
+                   help="auto (default): bfloat16 on an x86-64 CPU where the fused "
+                        "ops build (AVX-512 or AVX2 + FMA), else float32; on GPU the checkpoint's dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -313,7 +313,7 @@ def run(args) -> int:
               + (f"; give it --tls-ca {tls_ca})" if tls_ca else ")"), flush=True)
         print(f"threads: verifier {threads}" + (f", each drafter {args.drafter_threads} (drafters draft while the "
               "verifier waits for them: they share its cores)" if drafters else "")
-              + "; the verifier picks its dtype (`auto`: bfloat16 on a CPU with bf16 units)", flush=True)
+              + "; the verifier picks its dtype (`auto`: bfloat16 where the fused CPU ops build)", flush=True)
         cacert = f"--cacert {tls_ca} " if tls_ca else ""
         print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "

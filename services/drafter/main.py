@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="outcomes drafted ahead per sequence at most (default 16; best first)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="draft model or head dtype (default auto: bfloat16 on a CPU with bf16 units where the "
+                   help="draft model or head dtype (default auto: bfloat16 on an x86-64 CPU where the "
                         "fused ops build, else float32)")
     auth.add_arguments(p, server=True, client=False)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): bfloat16 on a CPU with bf16 units (AVX512-BF16 or AMX) where the fused "
-                        "ops build, else float32; on GPU the checkpoint's dtype")
+                   help="auto (default): bfloat16 on an x86-64 CPU where the fused "
+                        "ops build (AVX-512 or AVX2 + FMA), else float32; on GPU the checkpoint's dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",

@@ -12,7 +12,7 @@ from specd import LLM, SamplingParams
 from specd.engine.model import CausalLM
 from specd.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
 
 SPECS = {
     "tree": {"method": "draft_model", "num_speculative_tokens": 3, "tree": {"branching": [2, 2, 1]},

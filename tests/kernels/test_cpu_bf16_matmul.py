@@ -10,7 +10,7 @@ import torch
 
 from specd.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
 ops = torch.ops.specd_cpu
 # The default target's shapes (qkv, o, gate_up, down, head) and odd ones (tails of K and N).
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4099), (37, 21), (1, 5)]

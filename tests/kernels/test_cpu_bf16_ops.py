@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from specd.engine.rotary import apply_rotary
 from specd.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
 ops = torch.ops.specd_cpu
 
 

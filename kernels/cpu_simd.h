@@ -1,0 +1,80 @@
+// 16 float32 lanes for the fused CPU ops: one AVX-512 register, or two AVX2 registers where the
+// CPU (or its hypervisor) offers AVX2 + FMA only (kernels/cpu_ops.py builds for whichever it has).
+// Lane l of every operation is the same float32 arithmetic on both, so a kernel written against
+// V16 keeps its per-element order on either; only reduce_add's fixed tree differs between them.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace specd_simd {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t LANES = 16;
+
+#if defined(__AVX512F__)
+constexpr const char* ISA = "avx512";
+struct V16 {
+  __m512 v;
+};
+inline __mmask16 first(int64_t n) { return (__mmask16)((1u << n) - 1); }
+inline V16 zero() { return {_mm512_setzero_ps()}; }
+inline V16 set1(float a) { return {_mm512_set1_ps(a)}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
+inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline void store_first(float* p, V16 a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
+inline V16 widen(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
+inline V16 load_bf16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline V16 load_bf16_first(const bf16* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
+inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* ISA = "avx2";
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load_first(const float* p, int64_t n) {  // lanes n.. are zero; nothing past p + n is read
+  alignas(32) float t[LANES] = {};
+  std::memcpy(t, p, n * sizeof(float));
+  return load(t);
+}
+inline void store(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline void store_first(float* p, V16 a, int64_t n) {
+  alignas(32) float t[LANES];
+  store(t, a);
+  std::memcpy(p, t, n * sizeof(float));
+}
+inline __m256 widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V16 load_bf16(const bf16* p) {
+  return {widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V16 load_bf16_first(const bf16* p, int64_t n) {
+  alignas(32) bf16 t[LANES] = {};
+  std::memcpy(t, p, n * sizeof(bf16));
+  return load_bf16(t);
+}
+inline float reduce_add(V16 a) {  // (lo + hi), then halves: a fixed tree
+  __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+#else
+#error "the fused CPU ops need AVX-512 (f, bw, vl) or AVX2 with FMA"
+#endif
+
+}  // namespace specd_simd
