@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specd.structured import StructuredOutput
+
 # Bounds for "absurd" values: large enough for any real use, small enough that a
 # typo (temperature=1e9, max_tokens=10**12) is caught instead of silently accepted.
 MAX_TEMPERATURE = 100.0
@@ -40,6 +42,9 @@ class SamplingParams:
     logprobs: bool | int | None = None
     # Per-request speculation override: None = the controller decides, 0 = off, k = up to k drafts.
     num_speculative_tokens: int | None = None
+    # Output constrained to a JSON schema, regex, choice or grammar: a StructuredOutput, or
+    # vLLM's dict of one key (json, json_object, regex, choice, grammar).
+    structured_outputs: StructuredOutput | dict | None = None
 
     def __post_init__(self) -> None:
         self._check_number("max_tokens", self.max_tokens, integer=True)
@@ -80,6 +85,11 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
 
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutput.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutput):
+            raise ValueError("structured_outputs must be an object with one of json, json_object, regex, choice, "
+                             "grammar")
         if self.num_speculative_tokens is not None:
             self._check_number("num_speculative_tokens", self.num_speculative_tokens, integer=True)
             if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

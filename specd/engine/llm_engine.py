@@ -29,6 +29,8 @@ class StepTimings:
     propose_s: float = 0.0
     verify_s: float = 0.0
     forward_tokens: int = 0
+    mask_s: float = 0.0  # structured output: cutting drafts and filling grammar masks
+    masked_rows: int = 0
 
     def observe(self, propose_s: float, verify_s: float, tokens: int) -> None:
         self.steps += 1
@@ -71,6 +73,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self.speculator = self._make_speculator(speculative_config, proposer) if speculative_config else None
         self.timings = StepTimings()
+        self._grammars = None  # specd.engine.grammar.Grammars, made on the first constrained request
 
     def _make_speculator(self, spec: SpeculativeConfig, proposer):
         from specd.proposers.factory import make_proposer
@@ -129,6 +132,8 @@ class LLMEngine:
             seq.generator = make_generator(params.seed, self.device)
         if params.stop:
             seq.stop_checker = StopChecker(self._stop_tokenizer(), prompt_token_ids, params.stop)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars().matcher(params.structured_outputs)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
@@ -140,6 +145,17 @@ class LLMEngine:
             raise ValueError(f"stop strings need a tokenizer and {self.model_dir} has no tokenizer.json; "
                              "use stop_token_ids")
         return self._tokenizer
+
+    def grammars(self):
+        """The grammar engine for this model's tokenizer (structured output)."""
+        if self._grammars is None:
+            from specd.engine.grammar import Grammars
+
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise ValueError(f"structured output needs the model's tokenizer.json and {self.model_dir} has none")
+            self._grammars = Grammars(path, self.arch.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError for a prompt this engine cannot run (reads constants only: thread-safe)."""
@@ -186,11 +202,18 @@ class LLMEngine:
             spec.controller.close_cycle(t0)
             self.runner.capture_layers = spec.feature_layers
             budget_left = self.scheduler.max_num_batched_tokens - sum(e.num_new_tokens for e in batch)
-            self.scheduler.attach_drafts(batch, spec.propose(batch, budget_left))
+            drafts = spec.propose(batch, budget_left)
+            if self._grammars is not None:
+                self._grammars.cut_batch_drafts(batch, drafts, self.timings)
+            self.scheduler.attach_drafts(batch, drafts)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # [Σ num_logits, V] float32
+        if self._grammars is not None:
+            self._grammars.mask_batch(batch, logits, self.timings)
         meta = SamplingMetadata.from_batch(batch, self.device, **(spec.mode if spec is not None else {}))
         out = self.sampler(logits, meta)
+        if self._grammars is not None:
+            self._grammars.advance(batch, out.token_ids)
         t2 = time.perf_counter()
         num_tokens = sum(e.num_new_tokens for e in batch)
         if spec is not None:

@@ -36,6 +36,9 @@ class Sequence:
         self.spec_stats = SpecStats()
         self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
         self.features: Any = None  # specd.engine.features.FeatureRows when a drafter wants hidden states
+        # llguidance's matcher when params.structured_outputs is set: the grammar state after the
+        # committed output tokens (specd/engine/grammar.py).
+        self.matcher: Any = None
 
     @property
     def token_ids(self) -> list[int]:
