@@ -50,8 +50,10 @@ class Services:
     """Drafters + verifier + gateway as child processes; a context manager that always cleans up."""
 
     def __init__(self, target: str, drafter: str, methods: list[str], threads: int, dtype: str, max_k: int,
-                 propose_timeout_ms: float | None = None, heads: dict[str, str] | None = None):
+                 propose_timeout_ms: float | None = None, heads: dict[str, str] | None = None,
+                 verifier_spec: dict | None = None):
         self.target, self.drafter, self.methods, self.threads, self.dtype = target, drafter, methods, threads, dtype
+        self.verifier_spec = verifier_spec or {}  # more --speculative-config keys (e.g. adaptive: false)
         self.heads = heads or {}  # method -> head directory
         self.max_k, self.propose_timeout_ms = max_k, propose_timeout_ms
         self.stack = Stack()
@@ -86,7 +88,7 @@ class Services:
             argv = ["verifier", "--model", self.target, "--port", str(self.verifier_port),
                     "--metrics-port", str(self.metrics_port), "--threads", str(self.threads), "--dtype", self.dtype,
                     "--log-level", "warning",
-                    "--speculative-config", json.dumps({"num_speculative_tokens": max(4, self.max_k)})]
+                    "--speculative-config", json.dumps({"num_speculative_tokens": max(4, self.max_k), **self.verifier_spec})]
             for m in self.methods:
                 argv += ["--drafter", f"{m}=127.0.0.1:{self.ports[m]}"]
             if self.propose_timeout_ms is not None:

@@ -1,7 +1,10 @@
 """Conversions between specd's Python types and the gRPC messages (one place, both sides)."""
 from __future__ import annotations
 
+import json
+
 from specd.sampling import SamplingParams
+from specd.structured import StructuredOutput
 from specd.v1 import verifier_pb2
 
 
@@ -9,7 +12,8 @@ def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.Sampli
     msg = verifier_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         stop_token_ids=p.stop_token_ids, stop=p.stop, ignore_eos=p.ignore_eos, logprobs=p.want_logprobs,
-        top_logprobs=p.num_top_logprobs, drafter=drafter)
+        top_logprobs=p.num_top_logprobs, drafter=drafter,
+        structured_outputs=json.dumps(p.structured_outputs.to_dict()) if p.structured_outputs else "")
     if p.seed is not None:
         msg.seed = p.seed
     if p.num_speculative_tokens is not None:
@@ -24,12 +28,19 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
     """
     if msg.top_logprobs and not msg.logprobs:
         raise ValueError(f"top_logprobs ({msg.top_logprobs}) needs logprobs to be set")
+    structured = None
+    if msg.structured_outputs:
+        try:
+            structured = StructuredOutput.from_dict(json.loads(msg.structured_outputs))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
     return SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
         min_p=msg.min_p, seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=list(msg.stop_token_ids),
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, logprobs=(msg.top_logprobs or True) if msg.logprobs else None,
-        num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None)
+        num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
+        structured_outputs=structured)
 
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:

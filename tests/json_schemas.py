@@ -4,10 +4,27 @@ Used by the structured-output tests (every output must validate against its sche
 bench/grammar_engines.py (mask time per token, walking the instance token by token). They cover
 what users send: nested objects, arrays with bounds, enums, numbers and integers with bounds,
 required and optional fields, strings with patterns and lengths, nullable fields, anyOf.
+Strings without a bound get maxLength 40: a 135M model can stay inside a string until
+max_tokens (seen: an author's first name "A.A.A.A..."), and a cut output is not valid JSON.
 """
 from __future__ import annotations
 
-SCHEMAS: list[tuple[str, dict, object]] = [  # (request, schema, one valid instance)
+STRING_BOUND = 40
+
+
+def bounded(schema):
+    """schema with maxLength STRING_BOUND on every string without a length, pattern or enum."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v) for k, v in schema.items()}
+    if schema.get("type") == "string" and not {"maxLength", "pattern", "enum", "const"} & schema.keys():
+        out["maxLength"] = STRING_BOUND
+    return out
+
+
+_SCHEMAS: list[tuple[str, dict, object]] = [  # (request, schema, one valid instance)
     ("Describe a person.",
      {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
                                                                            "maximum": 150}},
@@ -130,3 +147,5 @@ SCHEMAS: list[tuple[str, dict, object]] = [  # (request, schema, one valid insta
       "required": ["email", "phone"], "additionalProperties": False},
      {"email": "bo@example.com", "phone": "555-0100"}),
 ]
+
+SCHEMAS = [(request, bounded(schema), instance) for request, schema, instance in _SCHEMAS]

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 
 from specd.sampling import SamplingParams
+from specd.structured import StructuredOutput
+from specd.structured import check as check_structured
 
 from .errors import APIError, bad_request
 
@@ -63,7 +65,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: not v, "frequency_penalty=0"),
     "logit_bias": (lambda v: not v, "an empty logit_bias"),
     "tools": (lambda v: not v, "no tools"),
-    "response_format": (lambda v: v is None or v.get("type") == "text", 'response_format {"type": "text"}'),
     "echo": (lambda v: not v, "echo=false"),
     "suffix": (lambda v: not v, "no suffix"),
 }
@@ -88,6 +89,10 @@ class _GenerationBody(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     speculative: Speculative | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs (one of json,
+    # json_object, regex, choice, grammar), not both.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     def check_supported(self) -> None:
         for name, (neutral, supported) in _NEUTRAL.items():
@@ -114,9 +119,42 @@ class _GenerationBody(_Body):
         """None: no logprobs; n >= 0: each chosen token's logprob and the n most likely alternatives."""
         raise NotImplementedError
 
+    def structured(self) -> StructuredOutput | None:
+        """What the output must match, checked (the grammar compiles); APIError 400 naming the field."""
+        param = "structured_outputs" if self.structured_outputs is not None else "response_format"
+        try:
+            s = self._structured()
+            if s is not None:
+                check_structured(s)
+            return s
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+
+    def _structured(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if fmt is not None and self.structured_outputs is not None:
+            raise ValueError("set response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return StructuredOutput.from_dict(self.structured_outputs)
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('json_schema must be an object with the schema under "schema"')
+            # OpenAI's json_schema without "schema" is any JSON object.
+            return StructuredOutput.from_dict({"json": spec.get("schema", {"type": "object"})})
+        raise ValueError(f"type must be text, json_object or json_schema, got {json.dumps(kind)}")
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises APIError 400 naming the field, with SamplingParams' own message."""
         spec = self.speculative
+        structured = self.structured()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -124,7 +162,8 @@ class _GenerationBody(_Body):
                 seed=self.seed, stop_token_ids=self.stop_token_ids or [], stop=self.stop_strings,
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self._logprobs(),
-                num_speculative_tokens=spec.num_speculative_tokens if spec else None)
+                num_speculative_tokens=spec.num_speculative_tokens if spec else None,
+                structured_outputs=structured)
         except ValueError as e:
             msg = str(e)
             raise bad_request(msg, param=msg.split(" ", 1)[0]) from None
@@ -136,7 +175,6 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

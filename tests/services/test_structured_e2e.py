@@ -1,0 +1,117 @@
+"""Structured output over HTTP with the official client (issue 30), on the default pair.
+
+Real drafter, verifier and gateway processes: suffix, the trained draft model, and the draft
+model drafting token trees. Every output of the JSON-schema corpus (tests/json_schemas.py)
+parses and validates, with speculation off and with each drafter, 22 requests in flight at
+once (mixed batches); greedy output is identical with and without speculation. Bad schemas
+and grammars are a 400 that names the field.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+
+from json_schemas import SCHEMAS
+from specd import model_store
+from specd.v1 import verifier_pb2 as pb
+from specd.v1 import verifier_pb2_grpc as pbg
+
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.timeout(1200)
+
+DRAFTERS = ("suffix", "draft_model", "tree")
+
+
+@pytest.fixture(scope="module")
+def stack(launcher):
+    target, drafter = model_store.fetch()
+    tree = json.dumps({"tree": {"branching": [2, 2, 2, 2], "dynamic": True, "max_nodes": 8}})
+    drafters = {
+        "suffix": launcher.start("suffix", "drafter", ["--method", "suffix"]),
+        "draft_model": launcher.start("draft_model", "drafter", ["--method", "draft_model", "--model", str(drafter)]),
+        "tree": launcher.start("tree", "drafter", ["--method", "draft_model", "--model", str(drafter),
+                                                   "--options", tree]),
+    }
+    verifier = launcher.start("verifier", "verifier", [
+        "--model", str(target), "--speculative-config", json.dumps({"num_speculative_tokens": 4, "adaptive": False}),
+        *[a for name, d in drafters.items() for a in ("--drafter", f"{name}={d.address}")]])
+    gateway = launcher.start("gateway", "gateway", ["--verifier", verifier.address], http=True)
+    stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
+    deadline = time.monotonic() + 120
+    while sum(d.healthy for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=10).drafters) < len(drafters):
+        assert time.monotonic() < deadline, "the drafters never all registered"
+        time.sleep(0.2)
+    client = openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0, timeout=600)
+    return client, client.models.list().data[0].id
+
+
+def _ask(client, model, request: str, schema: dict, speculative: dict, **kw):
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"{request} Answer in JSON."}], max_tokens=256,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        extra_body={"speculative": speculative}, **kw)
+
+
+def _corpus(client, model, speculative: dict) -> list:
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        return list(pool.map(lambda s: _ask(client, model, s[0], s[1], speculative), SCHEMAS))
+
+
+def test_every_output_follows_its_schema_with_and_without_speculation(stack):
+    client, model = stack
+    plain = _corpus(client, model, {"num_speculative_tokens": 0})
+    texts = [r.choices[0].message.content for r in plain]
+    for text, (_, schema, _) in zip(texts, SCHEMAS):
+        jsonschema.validate(json.loads(text), schema)
+    for name in DRAFTERS:
+        outs = _corpus(client, model, {"num_speculative_tokens": 4, "drafter": name})
+        assert [r.choices[0].message.content for r in outs] == texts, name
+        drafted = sum(r.usage.model_extra["speculative"]["drafters"].get(name, 0) for r in outs)
+        assert drafted > len(SCHEMAS), f"{name} drafted {drafted} times"
+
+
+def test_streamed_deltas_make_the_same_json(stack):
+    client, model = stack
+    request, schema, _ = SCHEMAS[4]
+    whole = _ask(client, model, request, schema, {"num_speculative_tokens": 4, "drafter": "suffix"})
+    chunks = _ask(client, model, request, schema, {"num_speculative_tokens": 4, "drafter": "suffix"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_choice_and_regex(stack):
+    client, model = stack
+    msgs = [{"role": "user", "content": "Return a JSON object with the keys name and color for a cat."}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=200, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0.8, seed=3,
+                                       extra_body={"structured_outputs": {"choice": ["cute", "grumpy", "sleepy"]}})
+    assert r.choices[0].message.content in ("cute", "grumpy", "sleepy")
+    r = client.completions.create(model=model, prompt="The year the Berlin wall fell:", max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
+    assert re.fullmatch("(19|20)[0-9]{2}", r.choices[0].text)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+])
+def test_bad_schemas_and_grammars_are_a_400_naming_the_field(stack, extra, param):
+    client, model = stack
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body=extra)
+    assert err.value.body["param"] == param, err.value.body
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
