@@ -56,7 +56,8 @@ def special_token(tokenizer: Tokenizer, name: str) -> str:
     return value.get("content", "") if isinstance(value, dict) else value  # AddedToken-style entries
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template (looked in chat_template.jinja, "
                                 "chat_template.json and tokenizer_config.json)")
@@ -67,14 +68,15 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
     specials.setdefault("bos_token", "")
     specials.setdefault("eos_token", "")
     try:
+        extra = {"tools": tools} if tools else {}  # templates test `tools is defined` / `if tools`
         return _compile(tokenizer.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra, **specials)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    text = render_chat(tokenizer, messages)
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = render_chat(tokenizer, messages, tools=tools)
     bos = special_token(tokenizer, "bos_token")
     # Templates that write BOS themselves must not get a second one from the tokenizer;
     # those that do not get the one the tokenizer adds to any prompt.

@@ -52,6 +52,21 @@ class StructuredOutput:
             raise ValueError(f"structured_outputs.{key} must be a non-empty string")
         return cls(**{key: value})
 
+    @classmethod
+    def from_response_format(cls, fmt: dict | None) -> "StructuredOutput | None":
+        """From OpenAI's response_format (text, json_object, json_schema); None for free text."""
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return cls(json_object=True)
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('json_schema must be an object with the schema under "schema"')
+            # OpenAI's json_schema without "schema" is any JSON object.
+            return cls.from_dict({"json": spec.get("schema", {"type": "object"})})
+        raise ValueError(f"type must be text, json_object or json_schema, got {json.dumps(fmt.get('type'))}")
+
     def to_dict(self) -> dict:
         if self.json is not None:
             return {"json": self.json}

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from specd.telemetry import tracer
 from specd.tokenizer import Tokenizer
 
-from . import admin
+from . import admin, tools
 from .config import GatewayConfig, ModelInfo
 from .errors import APIError, bad_request, overloaded
 from .generation import Job, Step, generate
@@ -77,6 +77,8 @@ class Gateway:
         if body.model is not None and body.model != self.model.name:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         body.check_supported()
+        if chat:
+            body.check_tools(self.tokenizer.chat_template)
         prompt_ids = await self._prompt_ids(body, chat)
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
                                         prompt_param="messages" if chat else "prompt")
@@ -97,7 +99,7 @@ class Gateway:
                   silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s,
                   affinity=request.headers.get(SESSION_HEADER) or body.user)
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer,
-                        exact=self.model.exact)
+                        exact=self.model.exact, tool_names=body.tool_names if chat else None)
         steps = generate(self.replicas, self.tokenizer, job, self.metrics)
         if not body.stream:
             collected = await cancel_on_disconnect(request, _collect(steps))
@@ -111,10 +113,10 @@ class Gateway:
         """Size first (a prompt certainly over the context is refused before any work), then the
         template and tokenizer on a worker thread: the event loop keeps serving meanwhile."""
         if chat:
-            messages = [m.to_template() for m in body.messages]
+            messages = tools.template_messages([m.to_template() for m in body.messages])
             texts = [m["content"] for m in messages] + [m.get("name") or "" for m in messages]
             check_prompt_size(self.tokenizer, texts, self.model.max_model_len, "messages")
-            work = partial(chat_prompt_ids, self.tokenizer, messages)
+            work = partial(chat_prompt_ids, self.tokenizer, messages, body.tools if body.tool_names else None)
         else:
             prompt = body.prompt
             if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):

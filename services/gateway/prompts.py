@@ -7,9 +7,9 @@ from specd.tokenizer import Tokenizer
 from .errors import bad_request
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        return chat.chat_prompt_ids(tokenizer, messages)
+        return chat.chat_prompt_ids(tokenizer, messages, tools)
     except chat.ChatTemplateError as e:
         message = str(e) + ("; use /v1/completions" if not tokenizer.chat_template else "")
         raise bad_request(message, param="messages") from None

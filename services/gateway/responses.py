@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from specd.tokenizer import Tokenizer
 
+from . import tools
 from .generation import Step
 
 
@@ -24,9 +25,11 @@ class Formatter:
     model: str
     tokenizer: Tokenizer
     exact: bool = False  # the verifier's Info.exact, carried by every response object
+    tool_names: set[str] | None = None  # chat with tools: calls of these are read back from the text
     created: int = field(default_factory=lambda: int(time.time()))
     # token id -> its text: the same alternatives come back at position after position
     _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _calls: tools.StreamParser | None = field(default=None, init=False, repr=False)
 
     def _envelope(self, choices: list[dict], streamed: bool) -> dict:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
@@ -86,9 +89,29 @@ class Formatter:
     def chunk(self, step: Step) -> dict | None:
         """None when the step adds nothing visible (text held back, no logprobs, not finished)."""
         logprobs = self._logprobs(step.token_ids, step.logprobs, step.top_logprobs, step.text_offsets)
+        if self.tool_names is not None:
+            return self._tool_chunk(step, logprobs)
         if not step.text and logprobs is None and step.finish_reason is None:
             return None
         return self._envelope([self._choice(step.text, logprobs, step.finish_reason, streamed=True)], streamed=True)
+
+    def _tool_chunk(self, step: Step, logprobs: dict | None) -> dict | None:
+        """Content outside tool calls as it comes; each call as one tool_calls delta once it closes."""
+        if self._calls is None:
+            self._calls = tools.StreamParser(self.tool_names)
+        before = self._calls.calls
+        text, calls = self._calls.feed(step.text)
+        finish = step.finish_reason
+        if finish is not None:
+            text += self._calls.finish()
+            finish = "tool_calls" if finish == "stop" and self._calls.calls else finish
+        if not text and not calls and logprobs is None and finish is None:
+            return None
+        delta: dict = {"content": text} if text or not calls else {}
+        if calls:
+            delta["tool_calls"] = [{"index": before + i, **c} for i, c in enumerate(calls)]
+        return self._envelope([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                              streamed=True)
 
     def usage_chunk(self, last: Step) -> dict:
         return {**self._envelope([], streamed=True), "usage": usage(last)}
@@ -100,6 +123,11 @@ class Formatter:
         logprobs = None if steps[-1].logprobs is None else [lp for s in steps for lp in s.logprobs]
         tops = None if steps[-1].top_logprobs is None else [t for s in steps for t in s.top_logprobs]
         offsets = [o for s in steps for o in s.text_offsets]
-        choice = self._choice("".join(s.text for s in steps), self._logprobs(token_ids, logprobs, tops, offsets),
-                              steps[-1].finish_reason, streamed=False)
+        text, finish = "".join(s.text for s in steps), steps[-1].finish_reason
+        choice = self._choice(text, self._logprobs(token_ids, logprobs, tops, offsets), finish, streamed=False)
+        if self.tool_names is not None:
+            content, calls = tools.parse(text, self.tool_names)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls" if finish == "stop" else finish
         return {**self._envelope([choice], streamed=False), "usage": usage(steps[-1])}

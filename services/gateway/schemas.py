@@ -17,6 +17,7 @@ from specd.sampling import SamplingParams
 from specd.structured import StructuredOutput
 from specd.structured import check as check_structured
 
+from . import tools
 from .errors import APIError, bad_request
 
 # OpenAI's limits: chat's top_logprobs goes to 20, the legacy completions' logprobs to 5.
@@ -45,15 +46,18 @@ class TextPart(_Body):
 
 
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def to_template(self) -> dict:
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         msg = {"role": self.role, "content": content}
-        if self.name is not None:
-            msg["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
         return msg
 
 
@@ -64,7 +68,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: not v, "presence_penalty=0"),
     "frequency_penalty": (lambda v: not v, "frequency_penalty=0"),
     "logit_bias": (lambda v: not v, "an empty logit_bias"),
-    "tools": (lambda v: not v, "no tools"),
     "echo": (lambda v: not v, "echo=false"),
     "suffix": (lambda v: not v, "no suffix"),
 }
@@ -131,25 +134,11 @@ class _GenerationBody(_Body):
             raise bad_request(f"{param}: {e}", param=param) from None
 
     def _structured(self) -> StructuredOutput | None:
-        fmt = self.response_format
-        if fmt is not None and self.structured_outputs is not None:
+        if self.response_format is not None and self.structured_outputs is not None:
             raise ValueError("set response_format or structured_outputs, not both")
         if self.structured_outputs is not None:
             return StructuredOutput.from_dict(self.structured_outputs)
-        if fmt is None:
-            return None
-        kind = fmt.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return StructuredOutput(json_object=True)
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ValueError('json_schema must be an object with the schema under "schema"')
-            # OpenAI's json_schema without "schema" is any JSON object.
-            return StructuredOutput.from_dict({"json": spec.get("schema", {"type": "object"})})
-        raise ValueError(f"type must be text, json_object or json_schema, got {json.dumps(kind)}")
+        return StructuredOutput.from_response_format(self.response_format)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises APIError 400 naming the field, with SamplingParams' own message."""
@@ -175,6 +164,30 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_tools(self, template: str | None) -> None:
+        """400 naming tools or tool_choice for what this model's template or specd cannot serve."""
+        try:
+            tools.check(self.tools, self.tool_choice, template)
+        except ValueError as e:
+            param, _, message = str(e).partition(": ")
+            raise bad_request(message, param=param) from None
+
+    @property
+    def tool_names(self) -> set[str] | None:
+        """The declared functions whose calls are read back from the output; None: no tools in play."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return {t["function"]["name"] for t in self.tools}
+
+    def _structured(self) -> StructuredOutput | None:
+        s = super()._structured()
+        calls = tools.forced(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        if calls is not None and s is not None:
+            raise ValueError("a tool_choice that forces a call cannot be combined with a response format")
+        return calls or s
 
     @property
     def requested_max_tokens(self) -> int | None:
