@@ -67,6 +67,10 @@ class StructuredOutput:
             return cls.from_dict({"json": spec.get("schema", {"type": "object"})})
         raise ValueError(f"type must be text, json_object or json_schema, got {json.dumps(fmt.get('type'))}")
 
+    @property
+    def kind(self) -> str:
+        return next(iter(self.to_dict()))
+
     def to_dict(self) -> dict:
         if self.json is not None:
             return {"json": self.json}

@@ -234,6 +234,7 @@ class AsyncEngine:
             self._export_gauges()
             if self.engine.speculator is not None:
                 self.metrics.export_spec(self.engine.speculator.stats_by_drafter)
+            self.metrics.export_grammar(self.engine.timings)
 
     def _step_span(self):
         """The step serves many requests but a span has one parent: the oldest traced request in
@@ -309,6 +310,8 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.requests.labels(reason).inc()
                 self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
+                if seq.params.structured_outputs is not None:
+                    self.metrics.structured_finished(seq.params.structured_outputs.kind, seq.spec_stats)
                 self.metrics.e2e.observe(now - req.arrival)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -60,7 +60,18 @@ class VerifierMetrics:
                                      registry=r)
         self.generation_tokens = Counter("specd_verifier_generation_tokens", "Tokens generated (emitted)",
                                          registry=r)
+        self.structured = Counter("specd_verifier_structured_requests", "Finished requests whose output was "
+                                  "constrained (JSON schema, regex, choice, grammar, tool calls)", ["kind"], registry=r)
+        self.mask_seconds = Counter("specd_verifier_grammar_mask_seconds", "Time spent cutting drafts at the grammar "
+                                    "and filling its token masks", registry=r)
+        self.masked_rows = Counter("specd_verifier_grammar_masked_rows", "Logits rows masked by a grammar (verify "
+                                   "positions of constrained sequences)", registry=r)
+        self.constrained_draft_tokens = Counter("specd_spec_decode_constrained_draft_tokens",
+                                                "Draft tokens verified for constrained requests", registry=r)
+        self.constrained_accepted = Counter("specd_spec_decode_constrained_accepted_tokens",
+                                            "Draft tokens accepted for constrained requests", registry=r)
         self._exported: dict[str, SpecStats] = {}
+        self._mask = (0.0, 0)  # the engine's (mask_s, masked_rows) at the last export
 
     def export_spec(self, stats_by_drafter: dict[str, SpecStats]) -> None:
         """Add what the speculator counted since the last call."""
@@ -78,6 +89,19 @@ class VerifierMetrics:
                 self.accepted_per_pos.labels(name, str(pos)).inc(count - before)
             self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos),
                                              s.cached_drafts)
+
+    def export_grammar(self, timings) -> None:
+        """Add the engine's grammar work (StepTimings.mask_s, masked_rows) since the last call."""
+        seconds, rows = self._mask
+        if timings.masked_rows != rows or timings.mask_s != seconds:
+            self.mask_seconds.inc(timings.mask_s - seconds)
+            self.masked_rows.inc(timings.masked_rows - rows)
+            self._mask = (timings.mask_s, timings.masked_rows)
+
+    def structured_finished(self, kind: str, spec: SpecStats) -> None:
+        self.structured.labels(kind).inc()
+        self.constrained_draft_tokens.inc(spec.draft_tokens)
+        self.constrained_accepted.inc(spec.accepted_tokens)
 
     def watch_drafters(self, drafters) -> None:
         """specd_verifier_drafter_healthy{drafter}, read at scrape time from drafters() (name -> client),
