@@ -1,7 +1,8 @@
 """Structured output over HTTP with the official client (issue 30), on the default pair.
 
-Real drafter, verifier and gateway processes: suffix, the trained draft model, and the draft
-model drafting token trees. Every output of the JSON-schema corpus (tests/json_schemas.py)
+Real drafter, verifier and gateway processes: every method (ngram, suffix, the trained draft
+model, the draft model drafting token trees, the combined tree of both, and the committed EAGLE,
+EAGLE-3, Medusa and MLP-speculator heads). Every output of the JSON-schema corpus (tests/json_schemas.py)
 parses and validates, with speculation off and with each drafter, 22 requests in flight at
 once (mixed batches); greedy output is identical with and without speculation. Bad schemas
 and grammars are a 400 that names the field.
@@ -27,8 +28,8 @@ from specd.v1 import verifier_pb2_grpc as pbg
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(1200)
 
-DRAFTERS = ("ngram", "suffix", "draft_model", "tree", "eagle")
-EAGLE_HEAD = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct-eagle"
+DRAFTERS = ("ngram", "suffix", "draft_model", "tree", "combined", "eagle", "eagle3", "medusa", "mlp_speculator")
+HEADS = Path(__file__).resolve().parents[2] / "models"  # the committed heads for the default target
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,12 @@ def stack(launcher):
         "draft_model": launcher.start("draft_model", "drafter", ["--method", "draft_model", "--model", str(drafter)]),
         "tree": launcher.start("tree", "drafter", ["--method", "draft_model", "--model", str(drafter),
                                                    "--options", tree]),
-        "eagle": launcher.start("eagle", "drafter", ["--method", "eagle", "--model", str(EAGLE_HEAD),
-                                                     "--target", str(target)]),
+        "combined": launcher.start("combined", "drafter", ["--method", "combined", "--options", json.dumps(
+            {"members": [{"method": "draft_model", "model": str(drafter)}, {"method": "suffix"}]})]),
+        **{m: launcher.start(m, "drafter", ["--method", m, "--model", str(HEADS / f"SmolLM2-135M-Instruct-{d}"),
+                                            "--target", str(target)])
+           for m, d in (("eagle", "eagle"), ("eagle3", "eagle3"), ("medusa", "medusa"),
+                        ("mlp_speculator", "mlp-speculator"))},
     }
     metrics_port = launcher.free_port()
     verifier = launcher.start("verifier", "verifier", [
