@@ -31,7 +31,7 @@ import torch
 
 from specd.structured import StructuredOutput, grammar_text
 
-COMPILED_CACHE = 256  # grammars kept compiled (a schema sent again skips compilation)
+COMPILED_CACHE = 256  # grammars kept compiled (a schema sent again is copied, not compiled)
 
 
 class Grammars:
@@ -43,21 +43,23 @@ class Grammars:
         self.vocab_size, self.eos_token_ids = vocab_size, sorted(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size,
                                                 eos_token=sorted(eos_token_ids) or None)
-        self._compiled: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._compiled: OrderedDict = OrderedDict()  # StructuredOutput -> its matcher at the start
         self.words = (vocab_size + 31) // 32
 
     def matcher(self, s: StructuredOutput):
-        """A new matcher for s at its start; ValueError where the grammar does not compile."""
+        """A matcher for s at its start: a copy of the one compiled for s the first time it came
+        (ValueError where the grammar does not compile)."""
         import llguidance
 
-        grammar = self._compiled.pop(s, None) or grammar_text(s)
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"structured output: {m.get_error()}")
-        self._compiled[s] = grammar
+        start = self._compiled.pop(s, None)
+        if start is None:
+            start = llguidance.LLMatcher(self.tokenizer, grammar_text(s), log_level=0)
+            if start.is_error():
+                raise ValueError(f"structured output: {start.get_error()}")
+        self._compiled[s] = start  # most recently used last
         while len(self._compiled) > COMPILED_CACHE:
             self._compiled.popitem(last=False)
-        return m
+        return start.deep_copy()
 
     # -- a step ----------------------------------------------------------------
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,55 @@ def test_a_bad_grammar_is_a_clear_error(letters_pair, get_llm):
         llm.generate([[1, 5]], SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-"}))
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+
+
+# -- the peers' bugs (vLLM #44006, #36138; TRT-LLM #7878), as tests -------------------------------
+
+def _grammars(target):
+    from specd.engine.grammar import Grammars
+
+    return Grammars(Path(target) / "tokenizer.json", 16, [2])
+
+
+def test_every_verify_row_is_masked_the_bonus_row_included(letters_pair):
+    """A chain of 3 allowed drafts: rows 0-3 (the bonus row last) each hold the grammar's state
+    after the drafts before it; row 2 of a second sequence whose draft 1 is refused is left alone."""
+    from specd.engine.llm_engine import StepTimings
+    from specd.engine.scheduler import Drafts, ScheduledSeq
+    from specd.engine.sequence import Sequence
+    from specd.structured import StructuredOutput
+
+    grammars = _grammars(letters_pair[0])
+    structured = StructuredOutput(regex="[a-d][e-h][a-m]")
+    batch = []
+    for drafts in ([3, 8, 12], [4, 4]):  # a e j (allowed, then EOS only) / b b (b refused at position 2)
+        seq = Sequence([1, 5], SamplingParams(structured_outputs=structured))
+        seq.matcher = grammars.matcher(structured)
+        kept = grammars.cut_drafts(seq.matcher, drafts, None)
+        batch.append(ScheduledSeq(seq, 1 + len(kept), 1 + len(kept), Drafts([drafts[i] for i in kept])))
+    assert [len(e.draft_token_ids) for e in batch] == [3, 2]  # the refused token stays, nothing after it
+    logits = torch.zeros(4 + 3, 16)
+    grammars.mask_batch(batch, logits, StepTimings())
+    allowed = [set((row > -1).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[:4] == [set(range(3, 7)), set(range(7, 11)), set(range(3, 16)), {2}]  # bonus row: EOS only
+    assert allowed[4:6] == [set(range(3, 7)), set(range(7, 11))]
+    assert allowed[6] == set(range(16))  # after the refused b: never read, not masked
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model_self"])
+def test_the_end_of_the_grammar_inside_the_draft_window_ends_where_plain_does(method, letters_pair, get_llm,
+                                                                              make_prompts):
+    """`choice` answers are 1-2 tokens, k = 6: every draft window runs past the grammar's end
+    (drafts from the prompt, or from the target itself without the grammar); the output stops at
+    the same token with the same finish reason as plain decoding, and no refused draft is emitted."""
+    target = letters_pair[0]
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs={"choice": ["ab", "cdm", "e"]})
+    prompts = [p * 3 for p in make_prompts(10, seed=9, vocab=16, max_len=6)]
+    plain = get_llm(target, fresh=True).generate(prompts, params)
+    cfg = ({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "adaptive": False}
+           if method == "ngram" else
+           {"method": "draft_model", "model": target, "num_speculative_tokens": 6, "adaptive": False})
+    outs = get_llm(target, fresh=True, speculative_config=cfg).generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert all(o.text in ("ab", "cdm", "e") and o.finish_reason == "stop" for o in outs)
+    assert sum(o.spec["draft_tokens"] for o in outs) > 0
