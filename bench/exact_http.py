@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads of the verifier")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--propose-timeout-ms", type=float, default=2000.0,
+                   help="the verifier's propose deadline: generous, so a drafter slowed by the other processes on "
+                        "the cores still drafts (past it, the verifier routes around it; the table says who drafted)")
     p.add_argument("--out", default=str(RESULTS / "exact_http"))
     return p.parse_args(argv)
 
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
     prompts = workload("chat", args.prompts)
     rows = []
     with Services(str(model_store.target_dir()), str(model_store.drafter_dir()), methods, args.threads, "auto",
-                  args.k, heads=heads, verifier_spec={"adaptive": False}) as svc:
+                  args.k, propose_timeout_ms=args.propose_timeout_ms, heads=heads,
+                  verifier_spec={"adaptive": False}) as svc:
         client = openai.OpenAI(base_url=svc.base_url, api_key="unused", max_retries=0, timeout=3600)
         model = client.models.list().data[0].id
         plain = {"num_speculative_tokens": 0}
@@ -139,6 +143,7 @@ def render(r: dict) -> str:
              f"(verifier {s['threads']} torch thread(s), each drafter 1), the official openai client; "
              f"{s['prompts']} held-out chat prompts x up to {s['max_tokens']} tokens (EOS ends a request; "
              f"{r['reference_tokens']} reference tokens), greedy, k = {s['k']} with the controller off. "
+             f"Propose deadline {s.get('propose_timeout_ms', 250):g} ms. "
              "Reference: plain decoding, each prompt alone, over HTTP. Batch "
              f"{s['batch']}: {s['batch']} requests in flight. eagle: the committed EAGLE head; "
              f"{', '.join(RANDOM_HEADS)}: random-weight heads in their published layouts (they draft nonsense, "
