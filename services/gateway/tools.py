@@ -37,7 +37,7 @@ def check(tools: list[dict] | None, tool_choice, template: str | None) -> None:
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(fn, dict):
+        if not isinstance(fn, dict) or tool.get("type") != "function":
             raise ValueError(f'tools: tools[{i}] must be {{"type": "function", "function": {{...}}}}')
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):

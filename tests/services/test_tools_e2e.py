@@ -203,6 +203,11 @@ def test_bad_tool_requests_are_a_400(stack, kw, param):
     assert err.value.body["param"] == param, err.value.body
 
 
+def test_a_tool_that_is_not_an_object_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        tools.check(["get_weather"], "auto", HERMES_TEMPLATE)
+
+
 def test_a_template_without_tools_is_a_clear_error():
     template = Tokenizer.from_dir(model_store.fetch()[0]).chat_template
     with pytest.raises(ValueError, match="does not take tools"):
