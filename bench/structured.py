@@ -4,8 +4,10 @@
 
 The default target in its `auto` dtype, offline (specd.LLM), greedy. Prompts: the 22 requests of
 tests/json_schemas.py ("... Answer in JSON."), repeated to fill batch 32. Per batch (1 and 32) and
-decoding (plain, and suffix with k = 4 with the controller off): the same prompts free and
-constrained to their schemas, interleaved, each run twice; tok/s = generated tokens / wall time
+decoding (plain; suffix, the trained draft model and the committed EAGLE head with k = 4 and the
+controller off; the model drafters with and without masking their own drafts by the schema,
+specd/proposers/draft_grammar.py): the same prompts free and constrained to their schemas,
+interleaved, each run twice; tok/s = generated tokens / wall time
 of the run (the constrained answers end with their JSON; the free ones run to max_tokens or EOS).
 Also: the share of the run spent cutting drafts at the grammar and filling masks
 (StepTimings.mask_s), and acceptance (accepted / draft tokens).
@@ -35,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--configs", default=None, help="comma list of the decodings to run (default: all)")
+    p.add_argument("--append", action="store_true", help="add these rows to the existing results")
     args = p.parse_args(argv)
     import torch
 
@@ -44,9 +48,11 @@ def main(argv=None) -> int:
 
     info = machine_info(args.threads, "cpu", "auto")
     t0 = time.monotonic()
-    configs = {"plain": None, "suffix k=4": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False,
-                                             "suffix_decoding_max_cached_requests": 0}}
-    rows = []
+    configs = decodings(model_store)
+    if args.configs:
+        configs = {k: configs[k] for k in args.configs.split(",")}
+    previous = json.loads((RESULTS / "structured.json").read_text()) if args.append else None
+    rows = [x for x in previous["rows"] if x["decoding"] not in configs] if previous else []
     for name, spec in configs.items():
         llm = LLM(str(model_store.target_dir()), max_model_len=2048, speculative_config=spec)
         prompts = [chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": f"{r} Answer in JSON."}])
@@ -92,6 +98,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def decodings(model_store) -> dict:
+    k4 = {"num_speculative_tokens": 4, "adaptive": False}
+    draft_model = {"method": "draft_model", "model": str(model_store.drafter_dir()), **k4}
+    eagle = {"method": "eagle", "model": str(model_store.committed_head_dir("eagle")),
+             "target_model": str(model_store.target_dir()), **k4}
+    return {"plain": None, "suffix k=4": {"method": "suffix", "suffix_decoding_max_cached_requests": 0, **k4},
+            "draft_model k=4": draft_model,
+            "draft_model k=4, drafter unmasked": {**draft_model, "draft_structured_outputs": False},
+            "eagle k=4": eagle, "eagle k=4, drafter unmasked": {**eagle, "draft_structured_outputs": False}}
+
+
 def _valid(text: str, schema: dict) -> bool:
     import jsonschema
 
@@ -120,8 +137,19 @@ def render(r: dict) -> str:
         valid = "-" if x["valid"] is None else f"{x['valid']}/{x['requests']}"
         lines.append(f"| {x['decoding']} | {x['batch']} | {x['mode']} | {x['tok_s']:.1f} | {x['tok_s'] / free:.2f}x | "
                      f"{100 * x['mask_share']:.1f}% | {acc} | {valid} |")
-    lines += ["", "Drafter-side masking (draft_model or heads masking their own drafts) is not built; the drafts "
-              "here are the suffix index's, cut where the grammar refuses them.", "",
+    lines += ["", "Drafter-side masking: the model drafters mask their own drafts with the request's schema "
+              "(default), or draft unmasked and the verifier cuts each draft at the first token the schema refuses. "
+              "Under the JSON schema:", "",
+              "| drafter | batch | acceptance masked | acceptance unmasked | accepted tokens masked / unmasked | "
+              "tok/s masked / unmasked |", "|---|---:|---:|---:|---:|---:|"]
+    for x in r["rows"]:
+        y = by.get((x["decoding"] + ", drafter unmasked", x["batch"], x["mode"]))
+        if y is None or x["mode"] == "free":
+            continue
+        acc = sum(z["accepted_tokens"] for z in x["runs"]) / max(1, sum(z["accepted_tokens"] for z in y["runs"]))
+        lines.append(f"| {x['decoding']} | {x['batch']} | {x['acceptance']:.2f} | {y['acceptance']:.2f} | "
+                     f"{acc:.2f}x | {x['tok_s'] / y['tok_s']:.2f}x |")
+    lines += ["",
               f"Machine: {m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
               f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start, "
               f"{m['load_avg_end']:.2f} at end; {m['date']}; {r['elapsed_s'] / 60:.0f} min.", ""]

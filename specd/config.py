@@ -95,6 +95,9 @@ class SpeculativeConfig(BaseModel):
     # distribution (that sparse q is what the verifier uses for exact acceptance)
     draft_sample_method: Literal["greedy", "sampled"] = "greedy"
     draft_top_k: int = Field(default=16, ge=1, le=1024)
+    # draft_model chains and hidden-state heads mask their own drafts with a constrained request's
+    # grammar (the verifier keeps output exact either way; this only saves drafts it would cut)
+    draft_structured_outputs: bool = True
     draft_dtype: DType = "auto"  # auto: the target's dtype in-process; a drafter service resolves it as a target would
     # acceptance: strict is lossless; typical and synthetic are lossy and reported as such
     rejection_sample_method: Literal["strict", "typical", "synthetic"] = "strict"

@@ -201,7 +201,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return ProposeRequest(seq_id=self.keys.get(client, e.seq_id, e.num_tokens), new_tokens=list(e.new_tokens),
                               num_tokens=e.num_tokens, k=min(e.k, self.limits.max_k), full_history=e.full_history,
                               temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
-                              num_prompt_tokens=e.num_prompt_tokens or None, features=features)
+                              num_prompt_tokens=e.num_prompt_tokens or None, features=features,
+                              structured_outputs=e.structured_outputs or None)
 
     def _features(self, e: drafter_pb2.ProposeEntry):
         """The entry's hidden states (None when this drafter takes none), or False when they are

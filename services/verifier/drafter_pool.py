@@ -284,7 +284,7 @@ def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> in
     """Add r to the batch; the bytes of target features it carries."""
     entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
                               full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
-                              temperature=r.temperature)
+                              temperature=r.temperature, structured_outputs=r.structured_outputs or "")
     if r.seed is not None:
         entry.seed = r.seed
     if r.features is None:

@@ -61,6 +61,14 @@ class Grammars:
             self._compiled.popitem(last=False)
         return start.deep_copy()
 
+    def allowed(self, matchers: list) -> torch.Tensor:
+        """bool [len(matchers), vocab_size]: the tokens each matcher allows next (a drafter masking
+        its own drafts)."""
+        buf = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
+        for i, m in enumerate(matchers):
+            fill_row(m, buf, i)
+        return unpack(buf, self.vocab_size)
+
     # -- a step ----------------------------------------------------------------
     @staticmethod
     def cut_drafts(matcher, token_ids: list[int], parents: list[int] | None) -> list[int]:
@@ -81,13 +89,11 @@ class Grammars:
     def fill_masks(self, matcher, token_ids: list[int], parents: list[int], out: torch.Tensor) -> None:
         """out [1 + n, words] int32, all-allowed on entry: row 0 the tokens allowed now, row 1 + i
         those after the path to draft node i (a refused node's row is never read: left as is)."""
-        import llguidance.torch as lt
-
-        lt.fill_next_token_bitmask(matcher, out, 0)
+        fill_row(matcher, out, 0)
         for i in range(len(token_ids)):
             path = [token_ids[j] for j in _path(i, parents)]
             if matcher.validate_tokens(path) == len(path) and matcher.consume_tokens(path):
-                lt.fill_next_token_bitmask(matcher, out, 1 + i)
+                fill_row(matcher, out, 1 + i)
                 matcher.rollback(len(path))
 
     def cut_batch_drafts(self, batch, drafts: dict, timings) -> None:
@@ -126,9 +132,7 @@ class Grammars:
                 if n:
                     self.fill_masks(e.seq.matcher, e.draft_token_ids, e.drafts.parents or chain_parents(n), part)
                 else:
-                    import llguidance.torch as lt
-
-                    lt.fill_next_token_bitmask(e.seq.matcher, part, 0)
+                    fill_row(e.seq.matcher, part, 0)
                 rows += range(r + e.num_logits - 1 - n, r + e.num_logits)
                 parts.append(part)
             r += e.num_logits
@@ -152,11 +156,31 @@ class Grammars:
 
     def apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         """logits [R, V] in place: -inf where bitmask's rows (for logits rows `rows`) refuse a token."""
-        allowed = (bitmask[:, :, None] & _bits()) != 0  # [n, words, 32]
-        allowed = allowed.reshape(len(rows), -1)[:, : logits.shape[-1]].to(logits.device)
+        allowed = unpack(bitmask, logits.shape[-1]).to(logits.device)
         index = torch.tensor(rows, device=logits.device)
         with torch.inference_mode():  # the forward's logits are inference tensors
             logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def fill_row(matcher, bitmask: torch.Tensor, i: int) -> None:
+    """Row i of bitmask (int32, CPU, contiguous rows) := the tokens matcher allows next. What
+    llguidance.torch.fill_next_token_bitmask does, without importing that module: its
+    torch.compile decorator imports torch._dynamo (2.5 s on the first constrained request)."""
+    row = bitmask[i]
+    assert bitmask.dtype == torch.int32 and row.is_contiguous() and not row.is_cuda
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+
+def unpack(bitmask: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [rows, n] from llguidance's bitmask [rows, words] int32 (bit b of word w: token 32w + b):
+    its bytes (little-endian) looked up in a 256 x 8 table."""
+    rows = bitmask.shape[0]
+    return _byte_bits()[bitmask.contiguous().view(torch.uint8).long()].reshape(rows, -1)[:, :n]
+
+
+@functools.cache
+def _byte_bits() -> torch.Tensor:
+    return (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1  # [256, 8]: bit j of byte x
 
 
 @functools.cache

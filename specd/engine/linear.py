@@ -127,8 +127,12 @@ def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows
 
 
 def adopt_linears(model: nn.Module, max_rows: int | None = None) -> None:
-    """Swap every nn.Linear in model for fast_linear's module."""
+    """Swap every nn.Linear in model for fast_linear's module (one shared by several parents stays
+    one)."""
+    swapped: dict[int, nn.Module] = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, fast_linear(child.weight, child.bias, max_rows))
+                if id(child) not in swapped:
+                    swapped[id(child)] = fast_linear(child.weight, child.bias, max_rows)
+                setattr(module, name, swapped[id(child)])

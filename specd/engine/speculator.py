@@ -8,6 +8,7 @@ observe: acceptance per sequence feeds the controller and the per-drafter counte
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import defaultdict
@@ -79,7 +80,8 @@ class Speculator:
             requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=new_tokens, num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed,
-                                           features=features, feature_layers=layers, drafter=drafter))
+                                           features=features, feature_layers=layers, drafter=drafter,
+                                           structured_outputs=_structured(seq) if full else None))
             entries.append(e)
             seq.spec_sent = length
         if not requests:
@@ -222,3 +224,9 @@ def _depth(parents: list[int]) -> int:
     for p in parents:
         depth.append(1 if p < 0 else depth[p] + 1)
     return max(depth, default=0)
+
+
+def _structured(seq) -> str | None:
+    """A constrained request's grammar as JSON, for drafters that mask their own drafts."""
+    so = seq.params.structured_outputs
+    return json.dumps(so.to_dict()) if so is not None else None

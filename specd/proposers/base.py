@@ -49,6 +49,9 @@ class ProposeRequest:
     # A verifier's pool: the drafter the speculation controller chose for this sequence
     # (None: the pool's default); a request that named its own drafter keeps it.
     drafter: str | None = None
+    # With full histories of a constrained request: its StructuredOutput as JSON, so a model
+    # drafter can mask its own drafts (specd/proposers/draft_grammar.py).
+    structured_outputs: str | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ import secrets
 import torch
 
 from specd.proposers.base import Proposal, ProposeRequest
+from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.pipeline import record_alternatives
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
@@ -47,7 +48,7 @@ class DraftModelProposer:
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
                  batch_invariant: bool = True, tree_branching: list[int] | None = None,
-                 tree_max_nodes: int = 32, tree_dynamic: bool = False):
+                 tree_max_nodes: int = 32, tree_dynamic: bool = False, mask_structured: bool = True):
         model_dir = resolve_model_dir(model)
         self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
@@ -68,6 +69,9 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=self.device).manual_seed(
             secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, Sequence] = {}
+        # chains mask their drafts with a constrained request's grammar (trees draft unmasked)
+        self.grammar = DraftGrammars(model_dir, self.arch.vocab_size, self.arch.eos_token_ids,
+                                     enabled=mask_structured and not self.tree_branching)
 
     @property
     def vocab_size(self) -> int:
@@ -104,6 +108,7 @@ class DraftModelProposer:
             draft = self._draft_dynamic_tree if self.tree_dynamic else \
                 self._draft_tree if self.tree_branching else self._draft
             draft(active, out)
+        self.grammar.end_call()
         for seq, _ in active:  # roll back: state holds committed tokens only
             del seq.output_token_ids[outputs[seq.seq_id]:]
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq))
@@ -127,13 +132,14 @@ class DraftModelProposer:
 
     def _draft(self, active, out) -> None:
         for step in range(max((r.k for _, r in active), default=0)):
-            live = [(s, r) for s, r in active if r.k > step and self._room(s)]
+            live = [(s, r) for s, r in active if r.k > step and not self.grammar.stopped(s.seq_id) and self._room(s)]
             if not live:
                 return
             entries = [ScheduledSeq(s, s.num_uncomputed_tokens, 1) for s, _ in live]
             logits = self.runner.run(entries)
             for e in entries:
                 e.seq.num_computed_tokens += e.num_new_tokens
+            logits = self.grammar.mask([s.seq_id for s, _ in live], logits)
             for (seq, req), row in zip(live, logits):
                 prop = out[seq.seq_id]
                 if self._sampled(req):
@@ -145,6 +151,7 @@ class DraftModelProposer:
                 prop.token_ids.append(token)
                 if req.alternatives:
                     record_alternatives(prop, row, token, req)
+                self.grammar.push(seq.seq_id, token)
                 seq.output_token_ids.append(token)  # fed as input of the next draft step
 
     def _draft_tree(self, active, out) -> None:
@@ -285,9 +292,11 @@ class DraftModelProposer:
         if len(seq) != req.num_tokens:
             self.release([req.seq_id])
             return None
+        self.grammar.sync(req.seq_id, req.structured_outputs, req.new_tokens, req.num_prompt_tokens, req.full_history)
         return seq
 
     def release(self, seq_ids: list[int]) -> None:
+        self.grammar.release(seq_ids)
         for sid in seq_ids:
             seq = self.seqs.pop(sid, None)
             if seq is not None:

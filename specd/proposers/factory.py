@@ -31,7 +31,8 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
                                       sample_method=spec.draft_sample_method, top_k=spec.draft_top_k, seed=seed,
                                       tree_branching=tree.branching if tree else None,
                                       tree_max_nodes=tree.max_nodes if tree else 32,
-                                      tree_dynamic=bool(tree and tree.dynamic))
+                                      tree_dynamic=bool(tree and tree.dynamic),
+                                      mask_structured=spec.draft_structured_outputs)
         if target_vocab_size is not None and proposer.vocab_size != target_vocab_size:
             raise ValueError(f"draft model vocabulary ({proposer.vocab_size}) does not match the target's "
                              f"({target_vocab_size}); a drafter must share the target's tokenizer")
@@ -42,7 +43,8 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
         proposer = HiddenStateProposer(spec.method, spec.model, spec.target_model,
                                        num_speculative_tokens=spec.num_speculative_tokens, dtype=spec.draft_dtype,
                                        device=device, sample_method=spec.draft_sample_method,
-                                       top_k=spec.draft_top_k, seed=seed)
+                                       top_k=spec.draft_top_k, seed=seed,
+                                       mask_structured=spec.draft_structured_outputs)
         if target_vocab_size is not None and proposer.vocab_size != target_vocab_size:
             raise ValueError(f"{spec.method} target vocabulary ({proposer.vocab_size}) does not match the "
                              f"serving target's ({target_vocab_size})")

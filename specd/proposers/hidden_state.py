@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.linear import adopt_linears, fast_linear
 from specd.engine.loader import default_device, resolve_dtype
 from specd.engine.sampler import draft_seed
 from specd.proposers.base import Proposal, ProposeRequest, feature_rows
+from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.pipeline import record_alternatives
 from specd.proposers.heads.checkpoint import load_target_pieces, read_config, read_tensors, resolve_head_dir
 
@@ -42,7 +44,7 @@ class _State:
 class HiddenStateProposer:
     def __init__(self, method: str, model: str, target: str, *, num_speculative_tokens: int = 4,
                  dtype: str = "auto", device: str | torch.device = "auto", sample_method: str = "greedy",
-                 top_k: int = 16, seed: int | None = None):
+                 top_k: int = 16, seed: int | None = None, mask_structured: bool = True):
         if method not in METHODS:
             raise ValueError(f"unknown hidden-state method {method!r}; known: {', '.join(METHODS)}")
         self.method = method
@@ -79,6 +81,11 @@ class HiddenStateProposer:
 
             self.feature_layers = (L,)
             self.head = load_mlp_speculator(cfg, read_tensors(head_dir), pieces, self.dtype, self.device, where)
+        # The engine's matmul path for the head's linears (specd/engine/linear.py): in bf16 on a
+        # CPU, torch's own matmul took 2-10 ms per call here, most of a draft's cost.
+        adopt_linears(self.head)
+        if isinstance(getattr(self.head, "lm_head", None), torch.Tensor):  # EAGLE-1 scores with a plain tensor
+            self.head.lm_head_linear = fast_linear(self.head.lm_head)
         if any(not 0 <= i <= L for i in self.feature_layers):
             raise ValueError(f"{where}: feature layers {self.feature_layers} outside [0, {L}] for this target")
         self.max_k = min(num_speculative_tokens, getattr(self.head, "max_k", num_speculative_tokens))
@@ -87,6 +94,8 @@ class HiddenStateProposer:
         self.generator = torch.Generator(device=self.device).manual_seed(
             secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, _State] = {}
+        self.grammar = DraftGrammars(pieces.dir, pieces.arch.vocab_size, pieces.arch.eos_token_ids,
+                                     enabled=mask_structured)
         # specd.engine.fingerprint of the target the head was trained for, when its trainer wrote it
         # (published checkpoints carry none: the verifier then checks layers and hidden size only)
         self.target_fingerprint = str(cfg.get(FINGERPRINT_KEY) or "")
@@ -154,6 +163,7 @@ class HiddenStateProposer:
         return out
 
     def release(self, seq_ids: list[int]) -> None:
+        self.grammar.release(seq_ids)
         for sid in seq_ids:
             self.seqs.pop(sid, None)
 
@@ -190,6 +200,7 @@ class HiddenStateProposer:
         else:
             state.tokens.extend(req.new_tokens)
             pair_tokens = req.new_tokens
+        self.grammar.sync(req.seq_id, req.structured_outputs, req.new_tokens, req.num_prompt_tokens, req.full_history)
         if rows.shape[0] == 0:
             return state
         rows = rows.to(self.device, self.dtype)
@@ -212,9 +223,14 @@ class HiddenStateProposer:
                                   q_probs=[] if sampled else None, draft_probs=[] if req.alternatives else None,
                                   alternatives=[] if req.alternatives else None))
         states: list[list[torch.Tensor]] = [[] for _ in active]  # chain heads: each draft's state
+        # the grammar's masks (draft_grammar.py): not for tentative drafts, whose state is not the matcher's
+        mask_ids = [None if req.tentative else req.seq_id for _, req, _ in active]
+        parallel = self.method in PARALLEL_METHODS
 
         def pick(b: int, i: int, logits: torch.Tensor) -> int:  # logits [V_head] float32 -> a target id
             req, prop = active[b][1], props[b]
+            if parallel:  # one row at a time (chains mask a step's rows together, below)
+                logits = self.grammar.mask([mask_ids[b]], logits[None], token_ids)[0]
             if self._sampled(req):
                 idx, ids, probs = self._sample_sparse(logits, req, req.num_tokens + i)
                 if token_ids is not None:
@@ -227,22 +243,25 @@ class HiddenStateProposer:
             prop.token_ids.append(token)
             if req.alternatives:
                 record_alternatives(prop, logits, token, req, token_ids)
+            if not req.tentative:
+                self.grammar.push(req.seq_id, token)
             return token
 
         ks = [k for _, _, k in active]
-        if self.method in PARALLEL_METHODS:
+        if parallel:
             self.head.draft(torch.stack([s.last for s, _, _ in active]), [s.tokens[-1] for s, _, _ in active],
                             ks, pick)
+            self.grammar.end_call()
             return props
         committed = [s.kv.length for s, _, _ in active]
         h = torch.stack([s.last for s, _, _ in active])  # [B, H]: the head's state per sequence
         live = list(range(len(active)))
         for i in range(max(ks)):
-            logits = self.head.logits(h)  # [B_live, V_head]
+            logits = self.grammar.mask([mask_ids[b] for b in live], self.head.logits(h), token_ids)  # [B_live, V_head]
             tokens = [pick(b, i, row) for b, row in zip(live, logits)]
             for b, row in zip(live, h):
                 states[b].append(row)
-            keep = [j for j, b in enumerate(live) if ks[b] > i + 1]
+            keep = [j for j, b in enumerate(live) if ks[b] > i + 1 and not self.grammar.stopped(active[b][1].seq_id)]
             if not keep:
                 break
             # each drafted token with the head's predicted state is that sequence's next pair
@@ -250,6 +269,7 @@ class HiddenStateProposer:
             h = self.head.forward([active[b][0].kv for b in live], [1] * len(live),
                                   torch.tensor([tokens[j] for j in keep], device=self.device), h[keep],
                                   from_target=False)
+        self.grammar.end_call()
         for (state, _, _), n in zip(active, committed):
             state.kv.truncate(n)  # state holds committed pairs only
         for (_, req, _), prop, rows in zip(active, props, states):

@@ -51,7 +51,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features", "structured_outputs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ProposeEntry(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -70,7 +71,8 @@ class ProposeEntry(_message.Message):
     temperature: float
     seed: int
     features: Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    structured_outputs: str
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., structured_outputs: _Optional[str] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("client_id", "batch_id", "entries", "release", "traceparent")

@@ -3,57 +3,30 @@
 A tiny Llama whose 16 tokens are the letters a-m (ids 3-15; a byte-level tokenizer llguidance
 reads) and a perturbed copy as drafter. Sampling: the emitted (token 1, token 2) pairs under a
 grammar follow the masked target distribution, computed exactly from transformers' forward,
-with drafts that the grammar often refuses (chi-square). Greedy: every method gives plain
+with drafts that the grammar often refuses, and with drafts the drafter masked itself (chi-square). Greedy: every method gives plain
 decoding's tokens under the grammar, and every output matches it.
 """
 from __future__ import annotations
 
 import re
-import string
 from pathlib import Path
 
 import pytest
 import torch
 
 from chi2 import chi2_critical
-from drafter_helpers import perturbed_copy
+from letters_model import make_letters_pair
 from specd import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 
-LETTERS = string.ascii_lowercase[:13]  # token 3 + i is LETTERS[i]
 REGEX = "[a-d][e-h][a-m]"  # three letters, then EOS
-
-
-def _save_letter_tokenizer(out_dir) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(LETTERS)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(out_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
 def letters_pair(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(5)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    target = tmp_path_factory.mktemp("letters_target")
-    model.save_pretrained(target)
-    _save_letter_tokenizer(target)
-    # A drafter that disagrees with the target (a rejection's residual then differs from the
-    # target's own distribution, so sampling the wrong one shows in the chi-square).
-    drafter = perturbed_copy(str(target), tmp_path_factory.mktemp("letters_drafter"), scale=1.0)
-    return str(target), drafter, model.eval()
+    return make_letters_pair(tmp_path_factory)
 
 
 def _masked(logits: torch.Tensor, allowed: range) -> torch.Tensor:
@@ -74,7 +47,12 @@ def _exact_pair_distribution(model, prompt: list[int]) -> torch.Tensor:
 SAMPLED = {
     # the drafter's own sampled drafts (sparse q): refused ones must be rejected against q's residual
     "draft_model_sampled": lambda drafter: {"method": "draft_model", "model": drafter, "num_speculative_tokens": 2,
-                                            "adaptive": False, "draft_sample_method": "sampled", "draft_top_k": 8},
+                                            "adaptive": False, "draft_sample_method": "sampled", "draft_top_k": 8,
+                                            "draft_structured_outputs": False},
+    # the same drafter masking its drafts with the grammar: q is the masked draft distribution
+    "draft_model_sampled_masked": lambda drafter: {"method": "draft_model", "model": drafter,
+                                                   "num_speculative_tokens": 2, "adaptive": False,
+                                                   "draft_sample_method": "sampled", "draft_top_k": 8},
     # one-hot drafts from the prompt (it repeats letters the grammar refuses at most positions)
     "ngram": lambda drafter: {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                               "adaptive": False},
@@ -185,7 +163,8 @@ def test_the_end_of_the_grammar_inside_the_draft_window_ends_where_plain_does(me
     plain = get_llm(target, fresh=True).generate(prompts, params)
     cfg = ({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "adaptive": False}
            if method == "ngram" else
-           {"method": "draft_model", "model": target, "num_speculative_tokens": 6, "adaptive": False})
+           {"method": "draft_model", "model": target, "num_speculative_tokens": 6, "adaptive": False,
+            "draft_structured_outputs": False})
     outs = get_llm(target, fresh=True, speculative_config=cfg).generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
     assert all(o.text in ("ab", "cdm", "e") and o.finish_reason == "stop" for o in outs)

@@ -97,6 +97,7 @@ class TargetPieces:
     arch: ModelArchConfig
     embed_tokens: torch.Tensor | None  # [V, H]
     lm_head: torch.Tensor | None  # [V, H]
+    dir: Path | None = None  # the target's directory (its tokenizer: drafts masked by a grammar)
 
 
 def load_target_pieces(target: str, embed: bool, lm_head: bool) -> TargetPieces:
@@ -119,7 +120,7 @@ def load_target_pieces(target: str, embed: bool, lm_head: bool) -> TargetPieces:
             raise ValueError(f"target {target}: no {', '.join(missing)} in its weights")
     emb = found.get("model.embed_tokens.weight")
     head = (emb if arch.tie_word_embeddings else found.get("lm_head.weight")) if lm_head else None
-    return TargetPieces(arch, emb if embed else None, head)
+    return TargetPieces(arch, emb if embed else None, head, Path(target_dir))
 
 
 def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...] | None = None,

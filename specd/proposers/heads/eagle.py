@@ -44,6 +44,7 @@ class EagleHead(nn.Module):
         self.register_buffer("embed_tokens", torch.empty(0), persistent=False)  # [V, H]
         self.register_buffer("lm_head", torch.empty(0), persistent=False)  # [V, H]
         self.token_ids: torch.Tensor | None = None  # drafts are target ids already
+        self.lm_head_linear: nn.Module | None = None  # lm_head through the engine's matmul, once loaded
 
     @property
     def feature_dim(self) -> int:
@@ -70,6 +71,8 @@ class EagleHead(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] float32
         if self.pre_lm_head_layernorm is not None:
             out = self.pre_lm_head_layernorm.forward(out)
+        if self.lm_head_linear is not None:
+            return self.lm_head_linear(out).float()
         return (out @ self.lm_head.T).float()
 
 

@@ -42,7 +42,7 @@ class MedusaHeads(nn.Module):
     def draft(self, rows: torch.Tensor, last_tokens: list[int], ks: list[int], pick) -> None:
         """All drafts from one state per sequence (parallel drafting): head i's choice does not
         feed head i+1. rows [B, H]; sequence b gets ks[b] drafts, pick(b, i, logits [V])."""
-        rows = rows.to(self.out[0].weight.dtype)
+        rows = rows.to(self.compute_dtype)
         for i in range(max(ks, default=0)):
             live = [b for b, k in enumerate(ks) if k > i]
             logits = self.head_logits(rows[live], i)
@@ -72,5 +72,6 @@ def load_medusa(cfg: dict, tensors: dict[str, torch.Tensor], hidden: int, vocab:
         else:
             heads.out[i].weight.data.copy_(take(tensors, f"{i}.{num_layers}.weight", (vocab, hidden), where))
     heads = heads.to(device=device, dtype=dtype).eval()
+    heads.compute_dtype = dtype  # its linears may become the engine's modules (no .weight)
     heads.token_ids = None if token_ids is None else token_ids.to(device)
     return heads

@@ -56,7 +56,7 @@ class MLPSpeculator(nn.Module):
     def draft(self, rows: torch.Tensor, last_tokens: list[int], ks: list[int], pick) -> None:
         """Drafts from one state per sequence in one pass: stage i reads stage i-1's state and
         drafted token. rows [B, emb_dim]; sequence b gets ks[b] drafts, pick(b, i, logits [V])."""
-        state = rows.to(self.proj[0].weight.dtype)
+        state = rows.to(self.emb[0].weight.dtype)  # (the linears may be the engine's modules, without .weight)
         if self.scale_input:
             state = _ln(state) / math.sqrt(2)
         tokens = torch.tensor(last_tokens, device=state.device)
