@@ -147,6 +147,7 @@ SERVICE_COMMANDS = {
     "drafters": "specd.admin",
     "models": "specd.models_command",
     "train-drafter": "specd.train_drafter.command",
+    "drafter-data": "specd.train_drafter.data_command",
 }
 
 
