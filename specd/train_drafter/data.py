@@ -63,7 +63,10 @@ def make_shards(target_dir: Path, shards: int, cfg: DataConfig, batch: int, log=
     (root / "config.json").write_text(json.dumps({**asdict(cfg), "target": str(target_dir), "shard": SHARD}, indent=1))
     todo = [i for i in range(shards) if not shard_path(root, i).is_file()]
     if todo:
-        llm = LLM(str(target_dir), dtype=cfg.dtype, max_num_seqs=batch, max_model_len=2048)
+        from specd.engine.loader import read_arch_config
+
+        positions = read_arch_config(Path(target_dir)).max_position_embeddings
+        llm = LLM(str(target_dir), dtype=cfg.dtype, max_num_seqs=batch, max_model_len=min(2048, positions))
         maker = _ShardMaker(llm, cfg)
         for i in todo:
             if deadline is not None and time.time() > deadline:
