@@ -30,14 +30,18 @@ using bf16 = at::BFloat16;
 using namespace specd_simd;
 constexpr int64_t PREFETCH = 16;  // pairs ahead
 
-#if defined(__AVX512F__)
+#if defined(SPECD_AVX512)
 // SPECD_CPU_BF16_DOT=0 takes the FMA path on CPUs with AVX512-BF16 too (tests cover both paths).
 bool has_avx512_bf16() {
+#if defined(SPECD_EMULATE_AVX512)
+  return false;  // the bf16 dot product is an instruction of the CPU's, not emulated
+#else
   static const bool yes = [] {
     const char* env = std::getenv("SPECD_CPU_BF16_DOT");
     return __builtin_cpu_supports("avx512bf16") && !(env && std::string(env) == "0");
   }();
   return yes;
+#endif
 }
 
 using XPair = __m512i;  // x's pair (k, k+1) as one 32-bit value in every lane
@@ -63,7 +67,9 @@ struct Dot {  // acc += x_k w_k + x_k+1 w_k+1 per lane, in one instruction
   // Inline assembly, not the intrinsic: the intrinsic needs the whole caller compiled for
   // AVX512-BF16, which would let the compiler use it elsewhere on CPUs without it.
   static inline V16 step(V16 acc, XPair x, WBlock w) {
+#if !defined(SPECD_EMULATE_AVX512)
     asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc.v) : [x] "v"(x), [w] "v"(w.v));
+#endif
     return acc;
   }
 };

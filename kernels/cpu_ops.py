@@ -6,6 +6,10 @@ widest the CPU offers: AVX-512 (f, bw, vl), else AVX2 with FMA (some hypervisors
 the CPUs under them); kernels/cpu_simd.h gives the ops the same per-element arithmetic on both.
 Where that fails (no compiler, no ninja, not Linux on x86-64, neither ISA) `available()` is
 False and the engine keeps its torch path, logging why once. SPECD_CPU_KERNELS=0 turns the ops off.
+SPECD_CPU_ISA picks the build instead (tests/kernels/test_isa_builds.py compares them): avx512 or
+avx2 where the CPU has it, or avx512-emulated: the AVX-512 code compiled for an AVX2 CPU through
+SIMDe's portable intrinsics (its headers: SPECD_SIMDE_INCLUDE, else /usr/include; Debian's
+libsimde-dev), slower, to check that code on a machine without AVX-512.
 """
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp")]
 # ISA -> the CPU flags its -m flags let the compiler use, widest first.
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+EMULATED = "avx512-emulated"  # a test build (module docstring): needs AVX2 + FMA and SIMDe's headers
+
+
+def simde_include() -> Path | None:
+    root = Path(os.environ.get("SPECD_SIMDE_INCLUDE", "/usr/include"))
+    return root if (root / "simde" / "x86" / "avx512.h").is_file() else None
 
 
 def cpu_flags() -> set[str]:
@@ -38,6 +48,11 @@ def isa() -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
     flags = cpu_flags()
+    forced = os.environ.get("SPECD_CPU_ISA")
+    if forced == EMULATED:
+        return forced if set(ISAS["avx2"]) <= flags and simde_include() else None
+    if forced:
+        return forced if set(ISAS.get(forced, ("?",))) <= flags else None
     return next((name for name, needs in ISAS.items() if set(needs) <= flags), None)
 
 
@@ -50,8 +65,13 @@ def _build(name: str) -> None:
     # for instructions this CPU lacks.
     build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}-{name}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"specd_cpu_bf16_ops_{name}", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-fopenmp"] + [f"-m{flag}" for flag in ISAS[name]], extra_ldflags=["-fopenmp"],
+    isa_flags = [f"-m{flag}" for flag in ISAS.get(name, ISAS["avx2"])]
+    if name == EMULATED:
+        isa_flags.append("-DSPECD_EMULATE_AVX512")
+        if simde_include() != Path("/usr/include"):  # (naming a default one breaks libstdc++'s include_next)
+            isa_flags.append(f"-isystem{simde_include()}")
+    load(name=f"specd_cpu_bf16_ops_{name.replace('-', '_')}", sources=[str(s) for s in SOURCES],
+         build_directory=str(build_dir), extra_cflags=["-O3", "-fopenmp"] + isa_flags, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
 
 
@@ -67,7 +87,8 @@ def available() -> bool:
         why = "SPECD_CPU_KERNELS=0"
     elif not cpu_supported():
         why = (f"built for Linux x86-64 with AVX-512 or AVX2 + FMA only (this is {platform.system()} "
-               f"{platform.machine()})")
+               f"{platform.machine()}" + (f", SPECD_CPU_ISA={os.environ['SPECD_CPU_ISA']}" if
+                                          os.environ.get("SPECD_CPU_ISA") else "") + ")")
     else:
         try:
             _build(isa())

@@ -1,7 +1,11 @@
 // 16 float32 lanes for the fused CPU ops: one AVX-512 register, or two AVX2 registers where the
 // CPU (or its hypervisor) offers AVX2 + FMA only (kernels/cpu_ops.py builds for whichever it has).
-// Lane l of every operation is the same float32 arithmetic on both, so a kernel written against
-// V16 keeps its per-element order on either; only reduce_add's fixed tree differs between them.
+// Lane l of every operation is the same float32 arithmetic on both, and reduce_add sums the 16
+// lanes in the same tree on both (that of GCC's _mm512_reduce_add_ps), so the two builds give the
+// same bits (tests/kernels/test_isa_builds.py).
+//
+// SPECD_EMULATE_AVX512 (a test build, SPECD_CPU_ISA=avx512-emulated): the AVX-512 code compiled
+// for an AVX2 CPU through SIMDe's portable intrinsics, so a machine without AVX-512 still checks it.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -9,29 +13,65 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(SPECD_EMULATE_AVX512)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define SPECD_AVX512 1
+#elif defined(__AVX512F__)
+#define SPECD_AVX512 1
+#endif
+
 namespace specd_simd {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t LANES = 16;
 
-#if defined(__AVX512F__)
+#if defined(SPECD_AVX512)
 constexpr const char* ISA = "avx512";
 struct V16 {
   __m512 v;
 };
-inline __mmask16 first(int64_t n) { return (__mmask16)((1u << n) - 1); }
 inline V16 zero() { return {_mm512_setzero_ps()}; }
 inline V16 set1(float a) { return {_mm512_set1_ps(a)}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
 inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+#if defined(SPECD_EMULATE_AVX512)
+// What SIMDe 0.7.4 lacks of the native code below, lane by lane; lanes past n are never read.
+inline V16 load_first(const float* p, int64_t n) {
+  alignas(64) float t[LANES] = {};
+  std::memcpy(t, p, n * sizeof(float));
+  return load(t);
+}
+inline void store_first(float* p, V16 a, int64_t n) {
+  alignas(64) float t[LANES];
+  store(t, a);
+  std::memcpy(p, t, n * sizeof(float));
+}
+inline V16 load_bf16_first(const bf16* p, int64_t n) {
+  alignas(64) uint32_t t[LANES] = {};
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(p[i].x) << 16;
+  return {_mm512_castsi512_ps(_mm512_loadu_si512(t))};
+}
+inline V16 load_bf16(const bf16* p) { return load_bf16_first(p, LANES); }
+inline float reduce_add(V16 a) {  // GCC's _mm512_reduce_add_ps: halves, quarters, then (0 + 2) + (1 + 3)
+  alignas(64) float t[LANES];
+  store(t, a);
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = t[i + 8] + t[i];
+  for (int i = 0; i < 4; ++i) q[i] = h[i + 4] + h[i];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+#else
+inline __mmask16 first(int64_t n) { return (__mmask16)((1u << n) - 1); }
+inline V16 load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
 inline void store_first(float* p, V16 a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
 inline V16 widen(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
 inline V16 load_bf16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline V16 load_bf16_first(const bf16* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
 inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr const char* ISA = "avx2";
 struct V16 {
