@@ -63,3 +63,27 @@ def read_bandwidth(mb: int = 512, iters: int = 10) -> dict:
     nbytes = x.numel() * x.element_size()
     return {"bytes": nbytes, "gb_s": nbytes / statistics.median(runs) / 1e9, "runs_s": runs,
             "threads": torch.get_num_threads()}
+
+
+def write_result(out: Path, script: str, argv, info: dict, settings: dict, rows: list, t0: float, render) -> dict:
+    """A bench run's record (machine with the load at the end, command, settings, rows, minutes
+    elapsed since time.monotonic() was t0), written to out.json and, rendered, to out.md (printed)."""
+    import json
+    import sys
+
+    info["load_avg_end"] = os.getloadavg()[0]
+    result = {"machine": info, "command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+              "settings": settings, "rows": rows, "elapsed_s": time.monotonic() - t0}
+    out.parent.mkdir(exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(result))
+    print(render(result))
+    return result
+
+
+def machine_line(r: dict) -> str:
+    """The results' closing line: the machine, threads and load of a write_result record."""
+    m = r["machine"]
+    return (f"Machine: {m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
+            f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start, "
+            f"{m['load_avg_end']:.2f} at end; {m['date']}; {r['elapsed_s'] / 60:.0f} min.")

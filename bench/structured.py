@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from json_schemas import SCHEMAS  # noqa: E402
-from machine import machine_info  # noqa: E402
+from machine import machine_info, machine_line, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -88,13 +87,7 @@ def main(argv=None) -> int:
                              "tokens": rs[-1]["tokens"], "valid": rs[-1]["valid"], "runs": rs})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "runs"}), file=sys.stderr, flush=True)
         del llm
-    info["load_avg_end"] = os.getloadavg()[0]
-    result = {"machine": info, "command": " ".join(["python", "bench/structured.py", *(argv or sys.argv[1:])]),
-              "settings": vars(args), "rows": rows, "elapsed_s": time.monotonic() - t0}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "structured.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / "structured.md").write_text(render(result))
-    print(render(result))
+    write_result(RESULTS / "structured", "bench/structured.py", argv, info, vars(args), rows, t0, render)
     return 0
 
 
@@ -120,7 +113,7 @@ def _valid(text: str, schema: dict) -> bool:
 
 
 def render(r: dict) -> str:
-    m, s = r["machine"], r["settings"]
+    s = r["settings"]
     lines = ["# What a constraint costs: JSON schema vs free text", "", f"Command: `{r['command']}`", "",
              f"Default target, dtype `auto`, offline, greedy, up to {s['max_tokens']} tokens; the 22 requests of "
              "tests/json_schemas.py (batch 1: one after another; batch 32: the 22 repeated to 32, in one batch), "
@@ -150,9 +143,7 @@ def render(r: dict) -> str:
         lines.append(f"| {x['decoding']} | {x['batch']} | {x['acceptance']:.2f} | {y['acceptance']:.2f} | "
                      f"{acc:.2f}x | {x['tok_s'] / y['tok_s']:.2f}x |")
     lines += ["",
-              f"Machine: {m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
-              f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start, "
-              f"{m['load_avg_end']:.2f} at end; {m['date']}; {r['elapsed_s'] / 60:.0f} min.", ""]
+              machine_line(r), ""]
     return "\n".join(lines)
 
 
