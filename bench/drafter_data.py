@@ -41,11 +41,12 @@ def main(argv=None) -> int:
     info = machine_info(args.threads, "cpu", "bfloat16")
     t0, rows, first = time.monotonic(), [], None
     cfg = data.DataConfig(max_tokens=args.max_tokens)
+    target = model_store.target_dir()  # before SPECD_CACHE moves: the models stay where they are
     for batch in [int(b) for b in args.batches.split(",")]:
         with tempfile.TemporaryDirectory() as cache:
             os.environ["SPECD_CACHE"] = cache
-            data.make_shards(model_store.target_dir(), 1, cfg, batch, log=lambda m: print(m, file=sys.stderr))
-            shard = torch.load(data.shard_path(data.data_dir(model_store.target_dir(), cfg), 0))
+            data.make_shards(target, 1, cfg, batch, log=lambda m: print(m, file=sys.stderr))
+            shard = torch.load(data.shard_path(data.data_dir(target, cfg), 0))
         ids = [t.tolist() for t in shard["ids"]]
         first = first or ids
         rows.append({"batch": batch, "seconds": shard["seconds"], "answer_tokens": shard["answer_tokens"],
