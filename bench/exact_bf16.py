@@ -8,9 +8,10 @@ default): the reference is plain decoding of each held-out chat prompt alone (ba
 token for token against it: plain decoding in mixed batches of 16 (prompts of different
 lengths, so prefill and decode rows share steps), and each method (ngram, suffix, draft_model
 with the trained drafter, eagle with the committed EAGLE head, k = 4) at batch 1 and in mixed
-batches of 16. `--methods eagle3,medusa,mlp_speculator --append` adds the heads no trained
-checkpoint exists for yet, as random-weight heads in their published layouts (the ones the tests
-write, tests/head_layouts.py): they draft nonsense, but every verify step still holds k + 1 rows. The same comparison with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
+batches of 16. `--methods eagle3,medusa,mlp_speculator --append` adds the other heads: the trained
+ones committed under models/, or where one is missing a random-weight head in its published layout
+(the ones the tests write, tests/head_layouts.py), which drafts nonsense while every verify step
+still holds k + 1 rows. The same comparison with the mode off is the control. Cost: plain decode tok/s with the mode on vs off, interleaved
 runs, batch 1 and 16 (decode tok/s = tokens / (t(n) - t(1)) as in bench/engine.py).
 
 Writes bench/results/exact_bf16.{md,json}.
@@ -51,6 +52,15 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(METHODS + tuple(RANDOM_HEADS))}")
     p.add_argument("--append", action="store_true", help="add these rows to the existing --out results")
     return p.parse_args(argv)
+
+
+def head_dir(method: str, root: Path) -> tuple[str, str]:
+    """(directory, "trained" or "random"): the committed trained `method` head for the default
+    target, else a random-weight one in its published layout."""
+    from specd import model_store
+
+    trained = model_store.committed_head_dir(method)
+    return (str(trained), "trained") if trained else (random_head(method, root), "random")
 
 
 def random_head(method: str, root: Path) -> str:
@@ -165,7 +175,8 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown methods: {', '.join(sorted(unknown))}")
     tmp = tempfile.TemporaryDirectory()
-    heads = {m: random_head(m, Path(tmp.name)) for m in methods if m in RANDOM_HEADS}
+    chosen = {m: head_dir(m, Path(tmp.name)) for m in methods if m in RANDOM_HEADS}
+    heads = {m: d for m, (d, _) in chosen.items()}
     rows = []
     for invariant in ([True] if args.no_control else [True, False]):
         plain = make_llm(None, invariant)
@@ -180,7 +191,7 @@ def main(argv=None) -> int:
             del llm
         for (method, batch), got in cells.items():
             rows.append({"batch_invariant": invariant, "method": method, "batch": batch, **compare(ref, got),
-                         "tokens": sum(len(x) for x in got)})
+                         "tokens": sum(len(x) for x in got), "head": chosen.get(method, (None, None))[1]})
             print(f"invariant={invariant} {method:12s} batch {batch:3d}: {rows[-1]['identical']}/{args.prompts} identical",
                   file=sys.stderr, flush=True)
     info["load_avg_end"] = os.getloadavg()[0]
@@ -209,16 +220,20 @@ def render(r: dict) -> str:
              f"{s['max_tokens']} tokens (EOS ends a request), greedy, k = 4 (controller off), draft_model = the "
              "trained drafter in bf16. Reference: plain decoding, each prompt alone. Mixed batches: the prompts "
              f"in groups of {s['batch']} (different lengths, prefill and decode rows in the same steps).", ""]
-    if any(row["method"] in RANDOM_HEADS for row in r["rows"]):
-        lines += [f"{', '.join(m for m in RANDOM_HEADS if any(row['method'] == m for row in r['rows']))}: "
-                  "random-weight heads in their published layouts (tests/head_layouts.py), as no trained head "
-                  "exists for this target yet; they draft nonsense, but every verify step still holds k + 1 rows.",
-                  ""]
+    # rows from before heads were trained carry no "head": those were random
+    random = sorted({x["method"] for x in r["rows"] if x["method"] in RANDOM_HEADS and x.get("head", "random") == "random"})
+    trained = sorted({x["method"] for x in r["rows"] if x.get("head") == "trained"})
+    if random:
+        lines += [f"{', '.join(random)}: random-weight heads in their published layouts (tests/head_layouts.py); "
+                  "they draft nonsense, but every verify step still holds k + 1 rows.", ""]
+    if trained:
+        lines += [f"{', '.join(trained)}: the trained heads committed under models/.", ""]
     lines += ["| batch-invariant mode | decoding | batch | identical to the reference | first divergence (token index) |",
               "|---|---|---:|---:|---|"]
     for row in r["rows"]:
         div = sorted(f for f in row["first_divergence"] if f is not None)
-        lines.append(f"| {'on' if row['batch_invariant'] else 'off (control)'} | {row['method']} | {row['batch']} | "
+        head = f" ({row.get('head') or 'random'} head)" if row["method"] in RANDOM_HEADS else ""
+        lines.append(f"| {'on' if row['batch_invariant'] else 'off (control)'} | {row['method']}{head} | {row['batch']} | "
                      f"{row['identical']}/{row['of']} | {', '.join(map(str, div[:8])) or '-'} |")
     lines += ["", "Cost of the mode (plain decode, 128 tokens, median of interleaved runs):", "",
               "| batch | mode on tok/s | mode off tok/s | on / off |", "|---:|---:|---:|---:|"]
