@@ -28,21 +28,26 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,5,9,16,32,64,128")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="cpu_matmul", help="results name under bench/results/")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    from specd.engine.linear import InvariantCpuLinear, PrepackedLinear
+    from specd.engine.linear import InvariantCpuLinear, PlainLinear, PrepackedLinear
     from specd.kernels import cpu_ops
 
     if not cpu_ops.available():
         raise SystemExit("the fused CPU ops do not build here")
     info = machine_info(args.threads, "cpu", "bfloat16")
-    layers = []
+    layers, peer = [], "oneDNN (prepacked)"
     for K, N, count in SHAPES:
         for _ in range(count):
             w = torch.randn(N, K).bfloat16() * K ** -0.5
-            layers.append((K, PrepackedLinear(w, None), InvariantCpuLinear(w, None)))
+            try:
+                other = PrepackedLinear(w, None)
+            except RuntimeError:  # oneDNN's bf16 needs AVX-512 (or AVX-NE-CONVERT): torch's own F.linear then
+                other, peer = PlainLinear(w, None), "torch F.linear"
+            layers.append((K, other, InvariantCpuLinear(w, None)))
     rows = []
     for M in (int(m) for m in args.rows.split(",")):
         xs = {K: torch.randn(M, K).bfloat16() for K, _, _ in SHAPES}
@@ -57,17 +62,18 @@ def main(argv=None) -> int:
         rows.append({"rows": M, "onednn_ms": on * 1e3, "specd_ms": sp * 1e3, "ratio": sp / on})
         print(f"{M:4d} rows: oneDNN {on * 1e3:.2f} ms, specd {sp * 1e3:.2f} ms, {sp / on:.2f}x", file=sys.stderr)
     result = {"machine": info, "command": " ".join(["python", "bench/cpu_matmul.py", *(argv or sys.argv[1:])]),
-              "rows": rows}
+              "rows": rows, "peer": peer}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_matmul.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     m = info
-    lines = ["# bf16 CPU matmul: specd (batch-invariant) vs oneDNN (prepacked)", "", f"Command: `{result['command']}`",
-             "", "All linears of one SmolLM2-135M step (random weights of its shapes), median of interleaved runs.", "",
+    lines = [f"# bf16 CPU matmul: specd (batch-invariant) vs {peer}", "", f"Command: `{result['command']}`",
+             "", "All linears of one SmolLM2-135M step (random weights of its shapes), median of interleaved runs "
+             "(the oneDNN column is the peer named in the title).", "",
              "| rows | oneDNN ms | specd ms | specd / oneDNN |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['rows']} | {r['onednn_ms']:.2f} | {r['specd_ms']:.2f} | {r['ratio']:.2f} |" for r in rows]
     lines += ["", f"Machine: {m['cpu']} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
               f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start; {m['date']}.", ""]
-    (RESULTS / "cpu_matmul.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
     return 0
 
 
