@@ -1,5 +1,5 @@
-"""A tiny Llama whose 16 tokens are the letters a-m (ids 3-15; a byte-level tokenizer llguidance
-reads) and a perturbed copy as drafter: the grammar tests' model pair."""
+"""Tiny 16-token Llamas and perturbed copies as drafters; with the letters tokenizer (tokens 3-15 are
+the letters a-m, byte-level, which llguidance reads), the grammar tests' model pair."""
 from __future__ import annotations
 
 import string
@@ -23,23 +23,30 @@ def save_letter_tokenizer(out_dir) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
 
 
-def make_letters_pair(tmp_path_factory):
-    """(target dir, drafter dir, the target as a transformers model)."""
+def tiny16_pair(tmp_path_factory, name: str, seed: int, drafter_scale: float, tokenizer: bool = False):
+    """(target dir, drafter dir, the target as a transformers model): a 16-token Llama with
+    spread-out random weights and a perturbed copy of it (scale: how much the drafter disagrees);
+    tokenizer: both get the letters tokenizer."""
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    target = tmp_path_factory.mktemp("letters_target")
+    target = tmp_path_factory.mktemp(f"{name}_target")
     model.save_pretrained(target)
-    save_letter_tokenizer(target)
+    drafter = perturbed_copy(str(target), tmp_path_factory.mktemp(f"{name}_drafter"), scale=drafter_scale)
+    if tokenizer:
+        save_letter_tokenizer(target)
+        save_letter_tokenizer(Path(drafter))  # so the drafter can mask its own drafts (draft_grammar.py)
+    return str(target), drafter, model.eval()
+
+
+def make_letters_pair(tmp_path_factory):
     # A drafter that disagrees with the target (a rejection's residual then differs from the
     # target's own distribution, so sampling the wrong one shows in the chi-square).
-    drafter = perturbed_copy(str(target), tmp_path_factory.mktemp("letters_drafter"), scale=1.0)
-    save_letter_tokenizer(Path(drafter))  # so the drafter can mask its own drafts (draft_grammar.py)
-    return str(target), drafter, model.eval()
+    return tiny16_pair(tmp_path_factory, "letters", seed=5, drafter_scale=1.0, tokenizer=True)

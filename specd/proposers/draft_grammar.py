@@ -56,12 +56,12 @@ class DraftGrammars:
         rows = [i for i, s in enumerate(seq_ids) if s in self.matchers and s not in self.off]
         if not rows:
             return logits
-        allowed = self._grammars.allowed([self.matchers[seq_ids[i]] for i in rows])
-        allowed = allowed[:, token_ids.cpu()] if token_ids is not None else allowed[:, : logits.shape[-1]]
+        allowed = self._grammars.allowed([self.matchers[seq_ids[i]] for i in rows]).to(logits.device)
+        allowed = allowed[:, token_ids] if token_ids is not None else allowed[:, : logits.shape[-1]]
         allowed[~allowed.any(dim=1)] = True
         index = torch.tensor(rows, device=logits.device)
         out = logits.clone()
-        out[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        out[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return out
 
     def push(self, seq_id: int, token: int) -> None:

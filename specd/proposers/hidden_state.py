@@ -261,7 +261,7 @@ class HiddenStateProposer:
             tokens = [pick(b, i, row) for b, row in zip(live, logits)]
             for b, row in zip(live, h):
                 states[b].append(row)
-            keep = [j for j, b in enumerate(live) if ks[b] > i + 1 and not self.grammar.stopped(active[b][1].seq_id)]
+            keep = [j for j, b in enumerate(live) if ks[b] > i + 1 and not self.grammar.stopped(mask_ids[b])]
             if not keep:
                 break
             # each drafted token with the head's predicted state is that sequence's next pair

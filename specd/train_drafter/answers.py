@@ -30,16 +30,28 @@ def generate_answers(target_dir: str, prompts: list[list[dict]], max_tokens: int
 
     llm = LLM(target_dir, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=2048)
     ids = [chat_prompt_ids(llm.tokenizer, m) for m in prompts]
-    # Waves of similar-length prompts: the engine pads a step's queries to its longest one,
-    # so a long prefill admitted mid-wave would slow every decode row beside it.
-    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
-    answers: dict[int, torch.Tensor] = {}
-    t0, made = time.perf_counter(), 0
-    for start in range(0, len(order), max_num_seqs):
-        wave = order[start:start + max_num_seqs]
-        outs = llm.generate([{"prompt_token_ids": ids[i]} for i in wave], [answer_params(i, max_tokens, greedy_only) for i in wave])
-        for i, o in zip(wave, outs):
-            answers[i] = torch.tensor(ids[i] + o.token_ids, dtype=torch.int64)
-            made += len(o.token_ids)
-        log(f"answers {len(answers)}/{len(ids)}: {made} tokens, {made / (time.perf_counter() - t0):.0f} tok/s")
-    return [answers[i] for i in range(len(ids))]
+    t0, made = time.perf_counter(), [0, 0]
+
+    def progress(outs) -> None:
+        made[0] += len(outs)
+        made[1] += sum(len(o.token_ids) for o in outs)
+        log(f"answers {made[0]}/{len(ids)}: {made[1]} tokens, {made[1] / (time.perf_counter() - t0):.0f} tok/s")
+
+    outs = generate_in_waves(llm, ids, [answer_params(i, max_tokens, greedy_only) for i in range(len(ids))],
+                             max_num_seqs, progress)
+    return [torch.tensor(p + o.token_ids, dtype=torch.int64) for p, o in zip(ids, outs)]
+
+
+def generate_in_waves(llm, prompt_ids: list[list[int]], params: list, batch: int, on_wave=None) -> list:
+    """llm.generate's outputs in input order, made in waves of `batch` similar-length prompts: the
+    engine pads a step's queries to its longest one, so a long prefill admitted beside decode rows
+    would slow them all. on_wave(outputs) after each wave."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+    outs: dict[int, object] = {}
+    for start in range(0, len(order), batch):
+        wave = order[start:start + batch]
+        done = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in wave], [params[i] for i in wave])
+        outs.update(zip(wave, done))
+        if on_wave is not None:
+            on_wave(done)
+    return [outs[i] for i in range(len(prompt_ids))]

@@ -132,12 +132,12 @@ class _ShardMaker:
 
     def make(self, i: int, batch: int) -> dict:
         from specd.sampling import SamplingParams
-        from specd.train_drafter.answers import answer_params
+        from specd.train_drafter.answers import answer_params, generate_in_waves
 
         t0 = time.perf_counter()
         n_asked = round(SHARD * SELF_ASKED_SHARE)
         first = i * SHARD  # global row index: seeds and the built-prompt cycle
-        asked = self._generate([self.pre_query] * n_asked,
+        asked = generate_in_waves(self.llm, [self.pre_query] * n_asked,
                                [SamplingParams(temperature=QUESTION_TEMPERATURE, seed=(first + j) * 2 + 1,
                                                max_tokens=QUESTION_TOKENS) for j in range(n_asked)], batch)
         messages, kinds, question_tokens = [], [], 0
@@ -151,8 +151,8 @@ class _ShardMaker:
             messages.append(self.built[(i * (SHARD - n_asked) + j) % len(self.built)])
             kinds.append("built")
         prompts = [self.chat_ids(m) for m in messages]
-        outs = self._generate(prompts, [answer_params(first + j, self.cfg.max_tokens) for j in range(len(prompts))],
-                              batch)
+        outs = generate_in_waves(self.llm, prompts,
+                                 [answer_params(first + j, self.cfg.max_tokens) for j in range(len(prompts))], batch)
         ids = [_as_tensor(p + o.token_ids) for p, o in zip(prompts, outs)]
         answer_tokens = sum(len(o.token_ids) for o in outs)
         seconds = time.perf_counter() - t0
@@ -160,18 +160,6 @@ class _ShardMaker:
                 "answer_tokens": answer_tokens, "question_tokens": question_tokens, "seconds": seconds,
                 "batch": batch, "threads": _threads(),
                 "tokens_per_s": (answer_tokens + question_tokens) / seconds}
-
-    def _generate(self, prompts: list[list[int]], params: list, batch: int) -> list:
-        """Outputs in input order; waves of similar-length prompts (the engine pads a step's
-        queries to its longest one, so a long prefill beside decode rows slows them all)."""
-        order = sorted(range(len(prompts)), key=lambda j: (len(prompts[j]), j))
-        outs: dict[int, object] = {}
-        for start in range(0, len(order), batch):
-            wave = order[start:start + batch]
-            for j, o in zip(wave, self.llm.generate([{"prompt_token_ids": prompts[j]} for j in wave],
-                                                    [params[j] for j in wave])):
-                outs[j] = o
-        return [outs[j] for j in range(len(prompts))]
 
 
 def _usable_question(q: str, out, held_out: set) -> bool:

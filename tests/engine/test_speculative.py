@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from drafter_helpers import perturbed_copy
+from letters_model import tiny16_pair
 from specd import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -110,18 +111,7 @@ def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target
 
 
 def _tiny_vocab_pair(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    target = tmp_path_factory.mktemp("tiny16_target")
-    model.save_pretrained(target)
-    drafter = perturbed_copy(str(target), tmp_path_factory.mktemp("tiny16_drafter"), scale=0.2)
-    return str(target), drafter, model.eval()
+    return tiny16_pair(tmp_path_factory, "tiny16", seed=3, drafter_scale=0.2)
 
 
 def _exact_second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
