@@ -3,9 +3,12 @@
 Every sequence in a step contributes `query_len` new tokens (a prefill chunk, one
 decode token, or later the last token plus k drafts) and attends to its whole
 context: cached tokens plus the new ones. This file is the one place that knows
-how: torch SDPA over a padded batch (a lone sequence with consecutive blocks reads its K/V
-as a view of the cache), or the Triton kernel in kernels/paged_attention_triton.py, which
-walks the block tables directly (SPECD_PAGED_ATTENTION=triton).
+how: on a GPU, the Triton kernel of kernels/paged_attention_triton.py, which walks the block
+tables directly, one program per (token, head), so a row's arithmetic never depends on the rest
+of the step (cuBLAS's batched matmuls and softmax choose their kernels by shape: on an H200 the
+torch path changed 15 of 16 prompts' greedy tokens in a batch, bench/results/gpu_exact.md);
+elsewhere torch over a padded batch (a lone sequence with consecutive blocks reads its K/V as a
+view of the cache). SPECD_PAGED_ATTENTION=torch or =triton picks one explicitly.
 """
 from __future__ import annotations
 
@@ -102,10 +105,32 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
 
-def _triton_requested() -> bool:
-    # Opt-in until it has run natively on a GPU (tests/kernels/test_paged_attention.py runs it
-    # under TRITON_INTERPRET against the torch path below).
-    return os.environ.get("SPECD_PAGED_ATTENTION") == "triton"
+def triton_attention_used(device: torch.device) -> bool:
+    """Whether attention on this device runs the Triton kernel (default on CUDA where Triton imports)."""
+    choice = os.environ.get("SPECD_PAGED_ATTENTION")
+    if choice in ("torch", "triton"):
+        return choice == "triton"
+    if device.type != "cuda":
+        return False
+    try:
+        import specd.kernels.paged_attention_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    from specd.kernels.paged_attention_triton import paged_attention_triton
+
+    tree_base = tree_path = None
+    if meta.tree_base is not None:  # per token: its sequence's tree base and its row's ancestors
+        if "tree_tokens" not in meta._masks:
+            B, Q, A = meta.tree_path.shape
+            rows = meta.query_index if meta.query_index is not None else torch.arange(q.shape[0], device=q.device)
+            meta._masks["tree_tokens"] = (meta.tree_base[meta.token_seq], meta.tree_path.view(B * Q, A)[rows])
+        tree_base, tree_path = meta._masks["tree_tokens"]
+    return paged_attention_triton(q, k_cache, v_cache, meta.token_seq, meta.token_pos, meta.block_tables,
+                                  scale, window, tree_base, tree_path)
 
 
 def paged_attention(
@@ -117,12 +142,8 @@ def paged_attention(
     window: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
-    # The Triton kernel is chain-only (causal by slot order): tree steps take the torch path.
-    if meta.token_seq is not None and meta.tree_base is None and _triton_requested():
-        from specd.kernels.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, meta.token_seq, meta.token_pos, meta.block_tables,
-                                      scale, window)
+    if meta.token_seq is not None and triton_attention_used(q.device):
+        return _triton_attention(q, k_cache, v_cache, meta, scale, window)
     B, Q, C = len(meta.query_lens), meta.max_query_len, meta.max_context_len
     T, H, D = q.shape
     hkv = k_cache.shape[2]

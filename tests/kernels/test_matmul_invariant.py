@@ -6,14 +6,15 @@ import pytest
 import torch
 
 kernel = pytest.importorskip("specd.kernels.matmul_invariant_triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU, interpreted elsewhere
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_torch(dtype, tol, bias):
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(19, 72, generator=g).to(dtype), (torch.randn(100, 72, generator=g) * 0.1).to(dtype)
-    b = torch.randn(100, generator=g).to(dtype) if bias else None
+    x, w = torch.randn(19, 72, generator=g).to(DEVICE, dtype), (torch.randn(100, 72, generator=g) * 0.1).to(DEVICE, dtype)
+    b = torch.randn(100, generator=g).to(DEVICE, dtype) if bias else None
     torch.testing.assert_close(kernel.matmul_invariant(x, w, b).float(), torch.nn.functional.linear(x, w, b).float(),
                                atol=tol, rtol=tol)
 
@@ -21,7 +22,7 @@ def test_matches_torch(dtype, tol, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_do_not_depend_on_the_row_count(dtype):
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(37, 200, generator=g).to(dtype), torch.randn(70, 200, generator=g).to(dtype)
+    x, w = torch.randn(37, 200, generator=g).to(DEVICE, dtype), torch.randn(70, 200, generator=g).to(DEVICE, dtype)
     full = kernel.matmul_invariant(x, w)
     for m in (1, 2, 5, 16, 17, 36):
         assert torch.equal(kernel.matmul_invariant(x[:m], w), full[:m]), m
@@ -39,7 +40,7 @@ def test_engine_uses_it_in_batch_invariant_mode_where_forced(llama_dir, monkeypa
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     default = [o.token_ids for o in LLM(llama_dir, dtype="float32").generate(prompts, sp)]
     monkeypatch.setenv("SPECD_FORCE_TRITON", "1")
-    llm = LLM(llama_dir, dtype="float32")
+    llm = LLM(llama_dir, dtype="float32", device=DEVICE)
     linears = [m for m in llm.engine.model.modules() if isinstance(m, TritonInvariantLinear)]
     assert linears
     assert [o.token_ids for o in llm.generate(prompts, sp)] == default
