@@ -45,6 +45,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt: no reuse of KV blocks across requests")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
@@ -92,7 +94,7 @@ def _run_generate(args) -> int:
 
     llm = LLM(model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_gb=args.kv_cache_gb)
+              kv_cache_gb=args.kv_cache_gb, enable_prefix_caching=args.prefix_caching)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start

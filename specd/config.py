@@ -25,6 +25,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     enable_chunked_prefill: bool = True
+    # Reuse the KV of prompt prefixes seen before (specd/engine/block_manager.py).
+    enable_prefix_caching: bool = True
     seed: int = 0
     # A token's logits do not depend on the rest of the step (row-chunked matmuls, float32
     # attention), so greedy speculation gives the plain tokens in bf16 too; checked at load.

@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each service's gRPC port + 1000; 0: off). The gateway serves its own /metrics")
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="verifiers recompute every prompt (no KV reuse across requests)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the verifier (default: the cores this process may use but one, at most 8)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
@@ -287,6 +289,8 @@ def run(args) -> int:
                 argv += ["--speculative-config", args.speculative_config]
             if args.max_model_len:
                 argv += ["--max-model-len", str(args.max_model_len)]
+            if args.no_prefix_caching:
+                argv.append("--no-prefix-caching")
             stack.start(name, argv)
             checks.append((name, lambda a=address: grpc_serving(a, security)
                            and drafters_registered(a, names, security)))

@@ -296,6 +296,7 @@ class AsyncEngine:
             self.metrics.generation_tokens.inc(len(new))
             if req.sent == 0:
                 self.metrics.ttft.observe(now - req.arrival)
+                self.metrics.ttft_by_cache.labels("hit" if seq.num_cached_tokens else "miss").observe(now - req.arrival)
             elif req.last_emit is not None:
                 self.metrics.itl.observe((now - req.last_emit) / len(new))
         end = len(seq.output_token_ids)
@@ -334,3 +335,4 @@ class AsyncEngine:
         free = blocks.num_free_blocks
         self.metrics.kv_free.set(free)
         self.metrics.kv_used.set(blocks.num_total_blocks - free)
+        self.metrics.export_prefix_cache(blocks)

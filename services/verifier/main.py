@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt: no reuse of KV blocks across requests")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bfloat16 on an x86-64 CPU where the fused "
                         "ops build (AVX-512 or AVX2 + FMA), else float32; on GPU the checkpoint's dtype")
@@ -85,7 +87,8 @@ def run(args) -> int:
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          seed=args.seed, batch_invariant=args.batch_invariant)
+                          seed=args.seed, batch_invariant=args.batch_invariant,
+                          enable_prefix_caching=args.prefix_caching)
     spec = None if args.no_speculation else (SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig())
     startup = [(name, address, False) for name, address in args.drafter] + [
         (name, address, True) for name, address in args.trusted_drafter]

@@ -70,6 +70,20 @@ class VerifierMetrics:
                                                 "Draft tokens verified for constrained requests", registry=r)
         self.constrained_accepted = Counter("specd_spec_decode_constrained_accepted_tokens",
                                             "Draft tokens accepted for constrained requests", registry=r)
+        # Prefix caching, in tokens like vLLM's prefix_cache_queries / prefix_cache_hits.
+        self.prefix_queries = Counter("specd_verifier_prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache when a sequence was admitted", registry=r)
+        self.prefix_hits = Counter("specd_verifier_prefix_cache_hits", "Of those, tokens whose KV came from the "
+                                   "cache", registry=r)
+        self.prefix_evictions = Counter("specd_verifier_prefix_cache_evictions", "Cached KV blocks dropped for "
+                                        "new ones", registry=r)
+        self.prefix_blocks = Gauge("specd_verifier_prefix_cache_blocks", "KV blocks held in the prefix cache "
+                                   "(in use or reusable; counted free when no sequence holds them)", registry=r)
+        self.ttft_by_cache = Histogram("specd_verifier_time_to_first_token_by_prefix_cache_seconds",
+                                       "Arrival to first token, by whether the prompt's KV came partly from the "
+                                       "prefix cache (hit) or not (miss)", ["prefix_cache"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self._prefix = (0, 0, 0)  # the block manager's (queries, hits, evictions) at the last export
         self._exported: dict[str, SpecStats] = {}
         self._mask = (0.0, 0)  # the engine's (mask_s, masked_rows) at the last export
 
@@ -89,6 +103,16 @@ class VerifierMetrics:
                 self.accepted_per_pos.labels(name, str(pos)).inc(count - before)
             self._exported[name] = SpecStats(s.drafts, s.draft_tokens, s.accepted_tokens, list(s.accepted_per_pos),
                                              s.cached_drafts)
+
+    def export_prefix_cache(self, blocks) -> None:
+        """The block manager's prefix-cache counters since the last call, and its cached blocks."""
+        st, (queries, hits, evictions) = blocks.stats, self._prefix
+        if (st.queries, st.hits, st.evictions) != self._prefix:
+            self.prefix_queries.inc(st.queries - queries)
+            self.prefix_hits.inc(st.hits - hits)
+            self.prefix_evictions.inc(st.evictions - evictions)
+            self._prefix = (st.queries, st.hits, st.evictions)
+        self.prefix_blocks.set(blocks.num_cached_blocks)
 
     def export_grammar(self, timings) -> None:
         """Add the engine's grammar work (StepTimings.mask_s, masked_rows) since the last call."""

@@ -1,46 +1,187 @@
-"""Paged KV cache bookkeeping: a free list of fixed-size blocks and per-sequence tables.
+"""Paged KV cache bookkeeping: fixed-size blocks, per-sequence tables, and the prefix cache.
 
 Plain Python, no torch: the model runner turns block tables into slot indices.
+
+Prefix caching (vLLM's automatic prefix caching, in the same shape): a block whose every token's
+KV is committed gets a content hash, the hash of the block before it and its own tokens, so equal
+hashes mean equal token prefixes and, on one model, equal KV. A new (or preempted) sequence takes
+the cached blocks of its longest hashed prefix instead of computing them. Blocks are reference
+counted: a shared block is only read (a sequence writes at positions >= its computed tokens, and
+those lie in its own, unshared blocks: speculative rollback frees only blocks past them). A block
+no sequence holds keeps its KV and hash until its slot is needed: free blocks are taken first,
+then the least recently released cached one is evicted.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from specd.engine.sequence import Sequence
 
 
+def block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"", start: list[bytes] | None = None,
+                 limit: int | None = None) -> list[bytes]:
+    """Content hashes of the full blocks of token_ids (at most `limit`), chained: each covers its
+    block and everything before it. `start`: hashes already known for the first blocks (extended,
+    not recomputed). `salt` tells models apart (the weights' fingerprint)."""
+    hashes = list(start or [])
+    full = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    prev = hashes[-1] if hashes else salt
+    for i in range(len(hashes), full):
+        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start, in tokens like vLLM's prefix_cache_queries / _hits."""
+
+    queries: int = 0  # prompt (and recomputed) tokens looked up on admission
+    hits: int = 0  # of those, tokens whose KV came from the cache
+    evictions: int = 0  # cached blocks whose KV was dropped for a new one
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, salt: bytes = b""):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self._free: deque[int] = deque(range(num_blocks))  # holding nothing reusable
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> content hash, for cached blocks
+        self._block_of: dict[bytes, int] = {}  # content hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none; oldest first
+        self.stats = PrefixCacheStats()
+        self.on_evict = None  # callable(block): the scheduler drops what it kept beside the block
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get now: free ones and cached ones no sequence holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's table to hold num_tokens tokens; False (and no change) if blocks run out."""
-        extra = self.blocks_needed(num_tokens) - len(seq.block_table)
-        if extra > len(self._free):
+    # -- prefix cache --------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of seq's longest cached prefix (seq holds no blocks yet). At least its
+        last token is left to compute: a step must produce its next token's logits."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        limit = (len(seq) - 1) // self.block_size
+        seq.block_hashes = block_hashes(seq.token_slice(0, limit * self.block_size), self.block_size,
+                                        self.salt, seq.block_hashes, limit)
+        hit = []
+        for h in seq.block_hashes[:limit]:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def commit(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Cache seq's blocks that became full of committed KV; returns (index in its table, block)
+        of those newly cached. A block equal to one already cached stays private (freed as usual)."""
+        if not self.enable_prefix_caching:
+            return []
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            return []
+        seq.block_hashes = block_hashes(seq.token_slice(0, full * self.block_size), self.block_size,
+                                        self.salt, seq.block_hashes, full)
+        added = []
+        for i in range(seq.num_cached_blocks, full):
+            block, h = seq.block_table[i], seq.block_hashes[i]
+            if block not in self._hash_of and h not in self._block_of:
+                self._hash_of[block], self._block_of[h] = h, block
+                added.append((i, block))
+        seq.num_cached_blocks = full
+        return added
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no sequence holds (returns how many); held ones stay."""
+        dropped = list(self._evictable)
+        self._evictable.clear()
+        for block in dropped:
+            self._forget(block)
+            self._free.append(block)
+        return len(dropped)
+
+    # -- allocation ----------------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Grow seq's table to hold num_tokens tokens, starting from the cached blocks `prefix`
+        (match_prefix's, when seq holds none: their tokens count as computed); False, and no
+        change, if blocks run out."""
+        extra = self.blocks_needed(num_tokens) - len(seq.block_table) - len(prefix)
+        reclaimable = sum(1 for b in prefix if self._refs[b] == 0)  # would leave the evictable pool
+        if max(extra, 0) > self.num_free_blocks - reclaimable:
             return False
+        if prefix or (self.enable_prefix_caching and not seq.block_table):
+            self.stats.queries += len(seq)
+            self.stats.hits += len(prefix) * self.block_size
+        for block in prefix:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            seq.block_table.append(block)
+        if prefix:
+            seq.num_cached_blocks = len(prefix)
+            seq.num_computed_tokens = len(prefix) * self.block_size
         for _ in range(max(extra, 0)):
-            seq.block_table.append(self._free.popleft())
+            seq.block_table.append(self._take())
         return True
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep blocks for the first num_tokens tokens only (roll back rejected drafts)."""
         keep = self.blocks_needed(num_tokens)
         while len(seq.block_table) > keep:
-            self._free.append(seq.block_table.pop())
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
-        # In order, so a later sequence tends to get consecutive blocks again: attention then
-        # reads a lone sequence's K/V as a view of the cache (specd/engine/attention.py).
-        self._free.extend(seq.block_table)
+        # Last block first: a cached tail is then evicted before its head, which more requests share.
+        # Uncached blocks return in order, so a later sequence tends to get consecutive blocks again:
+        # attention then reads a lone sequence's K/V as a view of the cache (specd/engine/attention.py).
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0 and block in self._hash_of:
+                self._evictable[block] = None
+        self._free.extend(b for b in seq.block_table if self._refs[b] == 0 and b not in self._hash_of)
         seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            self.stats.evictions += 1
+        self._refs[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        del self._block_of[self._hash_of.pop(block)]
+        if self.on_evict is not None:
+            self.on_evict(block)

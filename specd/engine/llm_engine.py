@@ -58,7 +58,10 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len,
                                 config.batch_invariant)
         num_blocks = self._num_kv_blocks(config)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        # Cached KV is keyed by the weights too: a cache never outlives its model, but the salt keeps
+        # the hashes (which the gateway's routing computes the same way) specific to the model.
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          salt=self.model.fingerprint.encode())
         batched = config.max_num_batched_tokens or (
             DEFAULT_MAX_BATCHED_TOKENS if config.enable_chunked_prefill
             else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
@@ -193,6 +196,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one engine step; return the sequences that finished in it."""
+        if self.speculator is not None:  # before scheduling: prefix hits must come with their features
+            self.scheduler.feature_layers = self.speculator.feature_layers
         batch = self.scheduler.schedule()
         if not batch:
             return []

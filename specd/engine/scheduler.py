@@ -2,9 +2,10 @@
 step's output does to the sequences.
 
 Plain Python over Sequence objects (no torch), so it is unit-tested alone.
-Each step: running sequences first (in arrival order), then waiting ones (FCFS).
+Each step: running sequences first (in arrival order), then waiting ones (FCFS); a waiting
+sequence starts from the cached KV of its longest cached prefix (block_manager.py).
 When KV blocks run out, the most recently arrived running sequence is preempted:
-its blocks are freed and it is recomputed later from its prompt + outputs.
+its blocks are freed (full ones stay cached) and it is recomputed later from its prompt + outputs.
 attach_drafts puts a step's drafts into its batch (their KV blocks allocated here);
 postprocess commits the sampled tokens: KV commit and rollback, stops, logprobs.
 """
@@ -69,6 +70,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Hidden-state drafters (set by the engine): the target layers they read. A cached block
+        # keeps the committed rows of those layers beside its KV, so a prefix hit gives a sequence
+        # its features too; a block cached without them is not a hit while they are wanted.
+        self.feature_layers: tuple[int, ...] = ()
+        self._block_features: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        block_manager.on_evict = lambda block: self._block_features.pop(block, None)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -96,12 +103,18 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_uncomputed_tokens
+            prefix = self._usable_prefix(seq, self.blocks.match_prefix(seq))
+            cached = len(prefix) * self.blocks.block_size
+            n = len(seq) - cached - seq.num_computed_tokens
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.blocks.allocate(seq, seq.num_computed_tokens + n):
+            if not self.blocks.allocate(seq, cached + seq.num_computed_tokens + n, prefix):
                 break  # FCFS: never let a later request jump ahead of one waiting for blocks
+            if prefix:
+                self._restore_features(seq, prefix)
+            if not seq.output_token_ids:
+                seq.num_cached_tokens = cached
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -134,7 +147,7 @@ class Scheduler:
         indices, root first); their KV moves to consecutive positions through copy_kv(src
         slots, dst slots) (the model runner's), before rejected blocks are freed.
         Returns the sequences that finished in it."""
-        finished, row, i, token_row = [], 0, 0, 0
+        finished, stops, row, i, token_row = [], [], 0, 0, 0
         moves: tuple[list[int], list[int]] = ([], [])
         rollback: list[Sequence] = []
         for entry in batch:
@@ -172,16 +185,53 @@ class Scheduler:
                     logprobs.record(seq, row + kept[j], token)
                 reason = self._stop_reason(seq, token)
                 if reason:  # a stop inside accepted drafts ends the sequence right there
-                    self.finish(seq, reason)
+                    stops.append((seq, reason))
                     finished.append(seq)
                     break
             row += entry.num_logits
             i += 1
         if moves[0] and copy_kv is not None:
             copy_kv(*moves)
+        for seq, reason in stops:  # after the tree's KV commit: its full blocks are cached as they are
+            self.finish(seq, reason)
         for seq in rollback:  # rejected slots, after the KV commit read them (finished: already freed)
             self.blocks.truncate(seq, seq.num_computed_tokens)
+        for entry in batch:
+            if entry.seq.status == SeqStatus.RUNNING:
+                self._cache_blocks(entry.seq)
         return finished
+
+    # -- prefix cache --------------------------------------------------------
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Put seq's newly full blocks into the prefix cache, with their feature rows when wanted."""
+        for index, block in self.blocks.commit(seq):
+            f = seq.features
+            end = (index + 1) * self.blocks.block_size
+            if self.feature_layers and f is not None and f.layers == self.feature_layers and f.num_rows >= end:
+                self._block_features[block] = (f.layers, f.rows(end - self.blocks.block_size, end).clone())
+
+    def _usable_prefix(self, seq: Sequence, prefix: list[int]) -> list[int]:
+        """The hit, cut where a hidden-state drafter would lack features: at the first block
+        cached without them (unless seq still has its own, e.g. after preemption)."""
+        if not self.feature_layers or (seq.features is not None and seq.features.layers == self.feature_layers
+                                       and seq.features.num_rows >= len(prefix) * self.blocks.block_size):
+            return prefix
+        for n, block in enumerate(prefix):
+            kept = self._block_features.get(block)
+            if kept is None or kept[0] != self.feature_layers:
+                return prefix[:n]
+        return prefix
+
+    def _restore_features(self, seq: Sequence, prefix: list[int]) -> None:
+        end = len(prefix) * self.blocks.block_size
+        if not self.feature_layers or (seq.features is not None and seq.features.layers == self.feature_layers
+                                       and seq.features.num_rows >= end):
+            return
+        import torch
+
+        if seq.features is None:
+            seq.features = FeatureRows()
+        seq.features.write(0, torch.cat([self._block_features[b][1] for b in prefix]), self.feature_layers)
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         bs = self.blocks.block_size
@@ -205,6 +255,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._cache_blocks(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -216,6 +267,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
+        self._cache_blocks(seq)  # a finished turn's KV serves the conversation's next request
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

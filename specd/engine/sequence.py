@@ -30,6 +30,12 @@ class Sequence:
         # Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Prefix cache (specd/engine/block_manager.py): content hashes of full blocks of token_ids
+        # (kept across preemption: they depend on the tokens only), and how many of block_table's
+        # blocks are in the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache at admission
         self.finish_reason: str | None = None
         self.generator: Any = None  # per-request seeded RNG, owned by the sampler side
         self.stop_checker: Any = None  # specd.detokenizer.StopChecker when params.stop is set

@@ -59,7 +59,10 @@ class DraftModelProposer:
         self.model = load_model(model_dir, self.arch, self.dtype, self.device, self.max_model_len, batch_invariant)
         per_seq = -(-self.max_model_len // block_size)
         num_blocks = num_blocks or per_seq * 64
-        self.blocks = BlockManager(num_blocks, block_size)
+        # Its own prefix cache: a new sequence whose prompt starts like an earlier one's (a shared
+        # system prompt, a conversation's next turn) computes only the rest of its history.
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True,
+                                   salt=self.model.fingerprint.encode())
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
         self.sample_method, self.top_k = sample_method, top_k
         self.tree_branching, self.tree_max_nodes = (list(tree_branching) if tree_branching else None), tree_max_nodes
@@ -114,6 +117,8 @@ class DraftModelProposer:
             seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq))
             # a fork gives back its own blocks, never the shared ones
             self.blocks.truncate(seq, forks.get(seq.seq_id, seq.num_computed_tokens))
+            if seq.seq_id not in forks:
+                self.blocks.commit(seq)
         return [out[key] for key in keys]
 
     def _fork(self, req: ProposeRequest, fork_id: int, forks: dict[int, int]) -> Sequence | None:
@@ -261,7 +266,7 @@ class DraftModelProposer:
         return torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, len(seq)))
 
     def _room(self, seq: Sequence) -> bool:
-        return self.blocks.allocate(seq, len(seq))
+        return self.blocks.allocate(seq, len(seq), self.blocks.match_prefix(seq))
 
     def _sampled(self, req: ProposeRequest) -> bool:
         return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
