@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="verifier processes (each its own target and KV cache, all sharing the drafters) "
                         "behind the one gateway, which routes by load (default 1)")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded"],
+                   help="how the gateway picks a replica: by a long prompt's first 512 tokens, weighed "
+                        "against load (prefix, default), or by load alone")
     p.add_argument("--drafter-port", type=int, default=50061, help="first drafter port; the next ones count up")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="verifier /metrics port (replica i: this + i); drafters use the next ones (default: "
@@ -295,7 +298,7 @@ def run(args) -> int:
             checks.append((name, lambda a=address: grpc_serving(a, security)
                            and drafters_registered(a, names, security)))
         argv = ["gateway", "--verifier", ",".join(verifiers), "--host", args.host, "--port", str(args.port), *log,
-                *client_tls]
+                *client_tls, "--routing", args.routing]
         if args.tls_cert:
             argv += ["--ssl-certfile", args.tls_cert, "--ssl-keyfile", args.tls_key]
         for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):

@@ -50,7 +50,8 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
-        self.replicas = ReplicaSet(config.verifiers, config.security, self.metrics, model.vocab_hash)
+        self.replicas = ReplicaSet(config.verifiers, config.security, self.metrics, model.vocab_hash,
+                                   config.routing)
         # Templates and tokenizers run here, off the event loop (a long prompt takes a while).
         self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
 

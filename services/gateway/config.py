@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from specd.auth import Security
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+ROUTINGS = ("prefix", "least-loaded")  # how a request without a session key picks its replica
 
 
 @dataclass
@@ -28,6 +29,7 @@ class GatewayConfig:
     max_concurrent_requests: int = 1024  # generations in the gateway at once; more get 429
     verifier_retry_s: float = 15.0  # a request the verifier was lost under before its first token waits this
                                     # long for it to be back (then tried again), else 503
+    routing: str = "prefix"  # without a session key: "prefix" (where its prompt's KV likely is) or "least-loaded"
 
     verifiers: list[str] = field(init=False)  # the replicas, in order (derived from `verifier`)
 
@@ -53,6 +55,8 @@ class GatewayConfig:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.verifier_wait_s <= 0:
             raise ValueError(f"--verifier-wait must be > 0 seconds, got {self.verifier_wait_s}")
 

@@ -19,7 +19,7 @@ from specd.wire import params_to_proto, spec_to_dict
 
 from .errors import APIError, from_grpc
 from .metrics import GatewayMetrics
-from .replicas import Replica, ReplicaSet
+from .replicas import Replica, ReplicaSet, prefix_key
 
 ABORT_TIMEOUT_S = 5.0
 RETRIES = 2  # more attempts for a request the verifier was lost under before its first token
@@ -142,9 +142,10 @@ class _chunks:
         request = verifier_pb2.GenerateRequest(prompt_token_ids=job.prompt_ids,
                                                params=params_to_proto(job.params, drafter=job.drafter))
         tried: set[int] = set()
+        prefix = prefix_key(job.prompt_ids)
         attempts = RETRIES + len(self.replicas.replicas)  # one replica: RETRIES + 1, as before replicas
         for attempt in range(attempts):
-            replica = self.replica = self.replicas.pick(job.affinity, exclude=tried)
+            replica = self.replica = self.replicas.pick(job.affinity, exclude=tried, prefix=prefix)
             back = replica.index in tried  # every replica failed this request once: wait for this one to return
             tried.add(replica.index)
             # A fresh id per attempt: the verifier may not have noticed the last one's end yet.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specd import auth
 
-from .config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, ModelInfo
+from .config import DEFAULT_MAX_BODY_BYTES, ROUTINGS, GatewayConfig, ModelInfo
 
 HELP = "serve the OpenAI HTTP API (chat/completions, SSE) in front of a verifier"
 log = logging.getLogger("specd.gateway")
@@ -20,7 +20,7 @@ log = logging.getLogger("specd.gateway")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", required=True, action="append", metavar="HOST:PORT",
                         help="the verifier's gRPC server; several replicas: repeat it or separate by commas "
-                             "(requests go to the least loaded, or by session: X-Session-Id header or `user`); "
+                             "(requests go by session: X-Session-Id header or `user`, else see --routing); "
                              "dns:HOST:PORT: a replica per address HOST resolves to, looked up every 2 s "
                              "(compose --scale, a headless Service)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "back, to be sent again (503 past it)")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generations handled at once; more are answered 429 with Retry-After")
+    parser.add_argument("--routing", default="prefix", choices=ROUTINGS,
+                        help="replicas for requests without a session: prefix (the replica likely to hold the "
+                             "prompt's first 512 tokens' KV, unless it has over 4 requests more pending than the "
+                             "least loaded) or least-loaded")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     auth.add_arguments(parser, server=False, client=True)  # the verifier hop: shared secret, --tls-ca
     parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                            verifier_wait_s=args.verifier_wait, security=auth.from_args(args),
                            request_timeout_s=args.request_timeout, verifier_timeout_s=args.verifier_timeout,
                            max_concurrent_requests=args.max_concurrent_requests,
-                           verifier_retry_s=args.verifier_retry)
+                           verifier_retry_s=args.verifier_retry, routing=args.routing)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.

@@ -36,6 +36,10 @@ class GatewayMetrics:
                                          ["replica"], registry=self.registry)
         self.replica_in_flight = Gauge("specd_gateway_replica_requests_running", "Generate calls in flight "
                                        "on a replica", ["replica"], registry=self.registry)
+        self.routed = Counter("specd_gateway_routed", "Replica choices (a moved request and an /admin call "
+                              "count too) by reason: session (its key), prefix (where its prompt's KV likely "
+                              "is), prefix_overloaded (that replica too busy or its KV full), least_loaded (no "
+                              "key, or --routing least-loaded)", ["reason"], registry=self.registry)
         self.replica_healthy = Gauge("specd_gateway_replica_healthy", "1 while a replica serves (polled "
                                      "health and Info), else 0", ["replica"], registry=self.registry)
 

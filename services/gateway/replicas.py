@@ -10,6 +10,11 @@ polled numbers add what other gateways (or an earlier burst still queued) put th
 
 A single replica is the old single-verifier gateway: every request goes to it, whatever the polls say.
 
+Prefix routing (the default; `--routing least-loaded` turns it off): a request without a session
+key goes to the replica most likely to hold its prompt's KV, ranked by rendezvous hashing on a hash
+of its leading blocks (prefix_key), unless that replica is busier than the least loaded by more
+than PREFIX_LOAD_SLACK or its cache is nearly full. Each decision is counted by reason.
+
 Discovery: an address `dns:HOST:PORT` stands for every address HOST resolves to, resolved again
 every DISCOVERY_S (Compose's `--scale verifier=N` and a Kubernetes headless Service answer one
 record per replica). A replica that appears gets requests from its first healthy poll; one that
@@ -24,6 +29,7 @@ import dataclasses
 import hashlib
 import logging
 import socket
+from array import array
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +45,9 @@ POLL_S = 0.5
 DISCOVERY_S = 2.0
 POLL_TIMEOUT_S = 2.0
 KV_FULL = 0.95  # a replica with more of its KV cache in use than this gets new requests last
+PREFIX_BLOCK = 16  # tokens per block of a prefix key (the verifiers' default KV block; it need not match)
+PREFIX_BLOCKS = 32  # a prefix key covers the first 512 tokens; shorter prompts have none
+PREFIX_LOAD_SLACK = 4  # requests a prefix's replica may have pending beyond the least loaded one
 VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 log = logging.getLogger("specd.gateway")
@@ -93,6 +102,19 @@ def affinity_rank(key: str, address: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest()
 
 
+def prefix_key(prompt_ids: list[int]) -> str | None:
+    """The routing key of a prompt of at least PREFIX_BLOCKS blocks: a hash of those first blocks;
+    None for a shorter one (routed by load). A fixed length, because a conversation's next turn
+    resends the history plus more and must map to the key of its first turn; long prompts only,
+    because a shorter one's key would cover its question too and differ from its later turns' (it
+    would pin requests without bringing them to their KV). The cost: prompts that differ only past
+    512 tokens share a replica (up to the load slack)."""
+    if len(prompt_ids) < PREFIX_BLOCKS * PREFIX_BLOCK:
+        return None
+    return "prefix:" + hashlib.blake2b(array("q", prompt_ids[:PREFIX_BLOCKS * PREFIX_BLOCK]).tobytes(),
+                                       digest_size=8).hexdigest()
+
+
 def split_dns(address: str) -> tuple[str, int] | None:
     """("HOST", PORT) of a `dns:HOST:PORT` address, else None."""
     if not address.startswith("dns:"):
@@ -109,8 +131,10 @@ async def resolve(host: str, port: int) -> list[str]:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], security: Security, metrics: GatewayMetrics, vocab_hash: str = ""):
+    def __init__(self, addresses: list[str], security: Security, metrics: GatewayMetrics, vocab_hash: str = "",
+                 routing: str = "prefix"):
         self.addresses, self.security, self.metrics, self.vocab_hash = addresses, security, metrics, vocab_hash
+        self.routing = routing
         self.names = [split_dns(a) for a in addresses if split_dns(a)]
         self.replicas: list[Replica] = []
         self._retired: list[Replica] = []  # gone from discovery; closed when their last call ends
@@ -166,18 +190,33 @@ class ReplicaSet:
             self._retired.remove(r)
             await r.channel.close()
 
-    def pick(self, affinity: str | None = None, exclude: set[int] = frozenset()) -> Replica:
+    def pick(self, affinity: str | None = None, exclude: set[int] = frozenset(),
+             prefix: str | None = None) -> Replica:
         """The replica for a new Generate call: not one in `exclude` (already failed this request)
-        while another is left; a healthy one while there is one; by affinity key if given, else
-        the least loaded."""
+        while another is left; a healthy one while there is one; by affinity key if given, else by
+        prefix key (prefix_key) weighed against load, else the least loaded."""
         if not self.replicas:
             raise APIError(503, f"verifier: no replica found at {', '.join(self.addresses)} yet; retry later",
                            code="verifier_unavailable")
         candidates = [r for r in self.replicas if r.index not in exclude] or self.replicas
         live = [r for r in candidates if r.healthy] or candidates
-        if affinity:
-            return max(live, key=lambda r: affinity_rank(affinity, r.address))
-        return min(live, key=Replica.sort_key)
+        reason, replica = self._choose(live, affinity, prefix)
+        self.metrics.routed.labels(reason).inc()
+        return replica
+
+    def _choose(self, live: list[Replica], affinity: str | None, prefix: str | None) -> tuple[str, Replica]:
+        if affinity:  # a session stays put whatever the load: its client asked for that
+            return "session", max(live, key=lambda r: affinity_rank(affinity, r.address))
+        if prefix and self.routing == "prefix":
+            # The prefix's replicas in rendezvous order, the first not too busy: cached KV saves
+            # prefill, but not the wait behind a queue longer than the slack.
+            floor = min(r.pending() for r in live)
+            ranked = sorted(live, key=lambda r: affinity_rank(prefix, r.address), reverse=True)
+            ok = next((r for r in ranked if r.pending() <= floor + PREFIX_LOAD_SLACK and r.kv_use() <= KV_FULL), None)
+            if ok is ranked[0]:
+                return "prefix", ok
+            return "prefix_overloaded", ok or min(live, key=Replica.sort_key)
+        return "least_loaded", min(live, key=Replica.sort_key)
 
     def lost(self, replica: Replica, why: str) -> None:
         """A call found the replica gone: route around it until a poll finds it back."""
