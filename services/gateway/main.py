@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="enable /admin/* behind `Authorization: Bearer KEY` (without it /admin/* answers 403)")
     parser.add_argument("--open-admin", action="store_true",
                         help="enable /admin/* without a key (a trusted network only)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the verifier's model)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the verifier's model "
+                        "directory, else the tokenizer the verifier loaded, e.g. from a .gguf, over gRPC)")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the verifier's)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (413 above)")
@@ -81,8 +82,12 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
 
     from .app import build_app
 
-    info = await wait_for_any_info(config.verifiers, config.verifier_wait_s, config.security)
-    tokenizer = load_tokenizer(config.tokenizer or info.model, info.vocab_hash)
+    info, address = await wait_for_any_info(config.verifiers, config.verifier_wait_s, config.security)
+    local = config.tokenizer or info.model
+    if config.tokenizer or (Path(local) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(local, info.vocab_hash)
+    else:  # a .gguf target or a hub id: the verifier has the tokenizer it loaded
+        tokenizer = await tokenizer_from_verifier(address, config.security, info.vocab_hash)
     model = ModelInfo(name=config.served_model_name or info.model_name, path=info.model,
                       max_model_len=info.max_model_len, vocab_size=info.vocab_size, vocab_hash=info.vocab_hash,
                       exact=info.exact)
@@ -96,8 +101,8 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
 
 
 async def wait_for_any_info(addresses: list[str], wait_s: float, security=None):
-    """Info of the first replica to answer: the gateway serves as soon as one does (the others
-    are polled, and get requests once they serve the same vocabulary)."""
+    """(Info, address) of the first replica to answer: the gateway serves as soon as one does (the
+    others are polled, and get requests once they serve the same vocabulary)."""
     import asyncio
 
     tasks = [asyncio.ensure_future(_wait_for_info_at(a, wait_s, security)) for a in addresses]
@@ -124,7 +129,7 @@ async def _wait_for_info_at(address: str, wait_s: float, security=None):
 
     name = split_dns(address)
     if name is None:
-        return await wait_for_info(address, wait_s, security)
+        return await wait_for_info(address, wait_s, security), address
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while True:
@@ -137,7 +142,7 @@ async def _wait_for_info_at(address: str, wait_s: float, security=None):
             await asyncio.sleep(0.5)
     if security is not None and security.tls_ca and not security.tls_server_name:
         security = dataclasses.replace(security, tls_server_name=name[0])
-    return await wait_for_info(found[0], max(0.1, deadline - loop.time()), security)
+    return await wait_for_info(found[0], max(0.1, deadline - loop.time()), security), found[0]
 
 
 async def wait_for_info(address: str, wait_s: float, security=None):
@@ -165,14 +170,38 @@ async def wait_for_info(address: str, wait_s: float, security=None):
                 await asyncio.sleep(0.5)
 
 
-def load_tokenizer(source: str, vocab_hash: str):
+async def tokenizer_from_verifier(address: str, security, vocab_hash: str):
+    """The verifier's own tokenizer files (Verifier.GetTokenizer), loaded from a temporary directory."""
+    import tempfile
+
+    import grpc
+
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+    async with auth.aio_channel(address, security, auth.VERIFIER) as channel:
+        try:
+            reply = await verifier_pb2_grpc.VerifierStub(channel).GetTokenizer(verifier_pb2.GetTokenizerRequest(),
+                                                                               timeout=60)
+        except grpc.aio.AioRpcError as e:
+            raise RuntimeError(f"the verifier at {address} gave no tokenizer ({e.code().name}: {e.details()}); "
+                               "pass --tokenizer DIR (a local model directory)") from None
+    with tempfile.TemporaryDirectory(prefix="specd-tokenizer-") as tmp:
+        for name, data in reply.files.items():
+            if "/" in name or name.startswith("."):  # file names only, never a path out of tmp
+                raise RuntimeError(f"the verifier at {address} sent a tokenizer file named {name!r}")
+            (Path(tmp) / name).write_bytes(data)
+        return load_tokenizer(tmp, vocab_hash, f"the tokenizer of the verifier at {address}")
+
+
+def load_tokenizer(source: str, vocab_hash: str, what: str | None = None):
     from specd.tokenizer import Tokenizer
 
+    what = what or f"the tokenizer in {source}"
     tokenizer = Tokenizer.from_dir(Path(source)) if Path(source).is_dir() else None
     if tokenizer is None:
         raise RuntimeError(f"no tokenizer.json in {source!r}: pass --tokenizer DIR (a local model directory)")
     # Different token<->id tables would make every prompt and every output silently wrong.
     if vocab_hash and tokenizer.vocab_hash() != vocab_hash:
-        raise RuntimeError(f"the tokenizer in {source} does not match the verifier's model "
+        raise RuntimeError(f"{what} does not match the verifier's model "
                            f"(vocab hash {tokenizer.vocab_hash()[:12]} != {vocab_hash[:12]})")
     return tokenizer

@@ -14,6 +14,8 @@ from specd.verifier.drafter_client import TrustUnavailable, VocabularyMismatch
 from specd.wire import params_from_proto
 
 _tracer = tracer("specd.verifier")
+# What specd.tokenizer.Tokenizer.from_dir reads: the vocabulary, its config, the chat template.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
@@ -86,6 +88,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         reply.load.num_requests, reply.load.num_waiting = requests, waiting
         reply.load.kv_blocks_used, reply.load.kv_blocks_total = kv_used, kv_total
         return reply
+
+    async def GetTokenizer(self, request, context):
+        model_dir = self.engine.engine.model_dir  # a .gguf target's converted directory
+        files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+        if "tokenizer.json" not in files:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"the model at {self.info.model} has no tokenizer.json")
+        return verifier_pb2.GetTokenizerResponse(files=files, vocab_hash=self.info.vocab_hash)
 
     # -- drafter administration -------------------------------------------------------
     def _pool(self):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\"\xd1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x1a\n\x12structured_outputs\x18\x0e \x01(\tB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"i\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"\xe7\x01\n\x0cSpecCounters\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x04 \x03(\x04\x12\x46\n\x11\x64rafts_by_drafter\x18\x05 \x03(\x0b\x32+.specd.v1.SpecCounters.DraftsByDrafterEntry\x1a\x36\n\x14\x44raftsByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd0\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12$\n\x04spec\x18\x06 \x01(\x0b\x32\x16.specd.v1.SpecCounters\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xc9\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nvocab_hash\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0bspeculation\x18\x07 \x01(\x08\x12\x1c\n\x04load\x18\x08 \x01(\x0b\x32\x0e.specd.v1.Load\x12\r\n\x05\x65xact\x18\t \x01(\x08\"b\n\x04Load\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\"\xc3\x02\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x11\n\tproposals\x18\x07 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\n \x01(\x01\x12\x16\n\x0epropose_p50_ms\x18\x0b \x01(\x01\x12\x16\n\x0epropose_p99_ms\x18\x0c \x01(\x01\x12\x10\n\x08timeouts\x18\r \x01(\x04\x12\x12\n\nlast_error\x18\x0e \x01(\t\x12\x0f\n\x07trusted\x18\x0f \x01(\x08\x12\x12\n\nviolations\x18\x10 \x01(\x04\"H\n\x16RegisterDrafterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07trusted\x18\x03 \x01(\x08\"C\n\x17RegisterDrafterResponse\x12(\n\x07\x64rafter\x18\x01 \x01(\x0b\x32\x17.specd.v1.DrafterStatus\"3\n\x14RemoveDrafterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x17\n\x15RemoveDrafterResponse\"\x15\n\x13ListDraftersRequest\"A\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.specd.v1.DrafterStatus2\xb6\x03\n\x08Verifier\x12@\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x17.specd.v1.GenerateChunk0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.specd.v1.AbortRequest\x1a\x17.specd.v1.AbortResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponse\x12V\n\x0fRegisterDrafter\x12 .specd.v1.RegisterDrafterRequest\x1a!.specd.v1.RegisterDrafterResponse\x12P\n\rRemoveDrafter\x12\x1e.specd.v1.RemoveDrafterRequest\x1a\x1f.specd.v1.RemoveDrafterResponse\x12M\n\x0cListDrafters\x12\x1d.specd.v1.ListDraftersRequest\x1a\x1e.specd.v1.ListDraftersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\"\xd1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07\x64rafter\x18\x0b \x01(\t\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x1a\n\x12structured_outputs\x18\x0e \x01(\tB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"i\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"\xe7\x01\n\x0cSpecCounters\x12\x0e\n\x06\x64rafts\x18\x01 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x04 \x03(\x04\x12\x46\n\x11\x64rafts_by_drafter\x18\x05 \x03(\x0b\x32+.specd.v1.SpecCounters.DraftsByDrafterEntry\x1a\x36\n\x14\x44raftsByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xd0\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12$\n\x04spec\x18\x06 \x01(\x0b\x32\x16.specd.v1.SpecCounters\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xc9\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nvocab_hash\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0bspeculation\x18\x07 \x01(\x08\x12\x1c\n\x04load\x18\x08 \x01(\x0b\x32\x0e.specd.v1.Load\x12\r\n\x05\x65xact\x18\t \x01(\x08\"\x15\n\x13GetTokenizerRequest\"\x92\x01\n\x14GetTokenizerResponse\x12\x38\n\x05\x66iles\x18\x01 \x03(\x0b\x32).specd.v1.GetTokenizerResponse.FilesEntry\x12\x12\n\nvocab_hash\x18\x02 \x01(\t\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"b\n\x04Load\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\"\xc3\x02\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x11\n\tproposals\x18\x07 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\n \x01(\x01\x12\x16\n\x0epropose_p50_ms\x18\x0b \x01(\x01\x12\x16\n\x0epropose_p99_ms\x18\x0c \x01(\x01\x12\x10\n\x08timeouts\x18\r \x01(\x04\x12\x12\n\nlast_error\x18\x0e \x01(\t\x12\x0f\n\x07trusted\x18\x0f \x01(\x08\x12\x12\n\nviolations\x18\x10 \x01(\x04\"H\n\x16RegisterDrafterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07trusted\x18\x03 \x01(\x08\"C\n\x17RegisterDrafterResponse\x12(\n\x07\x64rafter\x18\x01 \x01(\x0b\x32\x17.specd.v1.DrafterStatus\"3\n\x14RemoveDrafterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x17\n\x15RemoveDrafterResponse\"\x15\n\x13ListDraftersRequest\"A\n\x14ListDraftersResponse\x12)\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x17.specd.v1.DrafterStatus2\x85\x04\n\x08Verifier\x12@\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x17.specd.v1.GenerateChunk0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.specd.v1.AbortRequest\x1a\x17.specd.v1.AbortResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponse\x12M\n\x0cGetTokenizer\x12\x1d.specd.v1.GetTokenizerRequest\x1a\x1e.specd.v1.GetTokenizerResponse\x12V\n\x0fRegisterDrafter\x12 .specd.v1.RegisterDrafterRequest\x1a!.specd.v1.RegisterDrafterResponse\x12P\n\rRemoveDrafter\x12\x1e.specd.v1.RemoveDrafterRequest\x1a\x1f.specd.v1.RemoveDrafterResponse\x12M\n\x0cListDrafters\x12\x1d.specd.v1.ListDraftersRequest\x1a\x1e.specd.v1.ListDraftersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPECCOUNTERS_DRAFTSBYDRAFTERENTRY']._loaded_options = None
   _globals['_SPECCOUNTERS_DRAFTSBYDRAFTERENTRY']._serialized_options = b'8\001'
+  _globals['_GETTOKENIZERRESPONSE_FILESENTRY']._loaded_options = None
+  _globals['_GETTOKENIZERRESPONSE_FILESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=375
   _globals['_GENERATEREQUEST']._serialized_start=377
@@ -53,22 +55,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_end=1062
   _globals['_INFORESPONSE']._serialized_start=1065
   _globals['_INFORESPONSE']._serialized_end=1266
-  _globals['_LOAD']._serialized_start=1268
-  _globals['_LOAD']._serialized_end=1366
-  _globals['_DRAFTERSTATUS']._serialized_start=1369
-  _globals['_DRAFTERSTATUS']._serialized_end=1692
-  _globals['_REGISTERDRAFTERREQUEST']._serialized_start=1694
-  _globals['_REGISTERDRAFTERREQUEST']._serialized_end=1766
-  _globals['_REGISTERDRAFTERRESPONSE']._serialized_start=1768
-  _globals['_REGISTERDRAFTERRESPONSE']._serialized_end=1835
-  _globals['_REMOVEDRAFTERREQUEST']._serialized_start=1837
-  _globals['_REMOVEDRAFTERREQUEST']._serialized_end=1888
-  _globals['_REMOVEDRAFTERRESPONSE']._serialized_start=1890
-  _globals['_REMOVEDRAFTERRESPONSE']._serialized_end=1913
-  _globals['_LISTDRAFTERSREQUEST']._serialized_start=1915
-  _globals['_LISTDRAFTERSREQUEST']._serialized_end=1936
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=1938
-  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=2003
-  _globals['_VERIFIER']._serialized_start=2006
-  _globals['_VERIFIER']._serialized_end=2444
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1268
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1289
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1292
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1438
+  _globals['_GETTOKENIZERRESPONSE_FILESENTRY']._serialized_start=1394
+  _globals['_GETTOKENIZERRESPONSE_FILESENTRY']._serialized_end=1438
+  _globals['_LOAD']._serialized_start=1440
+  _globals['_LOAD']._serialized_end=1538
+  _globals['_DRAFTERSTATUS']._serialized_start=1541
+  _globals['_DRAFTERSTATUS']._serialized_end=1864
+  _globals['_REGISTERDRAFTERREQUEST']._serialized_start=1866
+  _globals['_REGISTERDRAFTERREQUEST']._serialized_end=1938
+  _globals['_REGISTERDRAFTERRESPONSE']._serialized_start=1940
+  _globals['_REGISTERDRAFTERRESPONSE']._serialized_end=2007
+  _globals['_REMOVEDRAFTERREQUEST']._serialized_start=2009
+  _globals['_REMOVEDRAFTERREQUEST']._serialized_end=2060
+  _globals['_REMOVEDRAFTERRESPONSE']._serialized_start=2062
+  _globals['_REMOVEDRAFTERRESPONSE']._serialized_end=2085
+  _globals['_LISTDRAFTERSREQUEST']._serialized_start=2087
+  _globals['_LISTDRAFTERSREQUEST']._serialized_end=2108
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_start=2110
+  _globals['_LISTDRAFTERSRESPONSE']._serialized_end=2175
+  _globals['_VERIFIER']._serialized_start=2178
+  _globals['_VERIFIER']._serialized_end=2695
 # @@protoc_insertion_point(module_scope)

@@ -133,6 +133,25 @@ class InfoResponse(_message.Message):
     exact: bool
     def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ...) -> None: ...
 
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("files", "vocab_hash")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    vocab_hash: str
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., vocab_hash: _Optional[str] = ...) -> None: ...
+
 class Load(_message.Message):
     __slots__ = ("num_requests", "num_waiting", "kv_blocks_used", "kv_blocks_total")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]

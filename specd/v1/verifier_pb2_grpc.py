@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=specd_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_verifier__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/specd.v1.Verifier/GetTokenizer',
+                request_serializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
         self.RegisterDrafter = channel.unary_unary(
                 '/specd.v1.Verifier/RegisterDrafter',
                 request_serializer=specd_dot_v1_dot_verifier__pb2.RegisterDrafterRequest.SerializeToString,
@@ -89,6 +94,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The model's tokenizer and chat template as the verifier loaded them, for a gateway without a
+        copy (a .gguf target, whose tokenizer lives in the file; a container without the weights).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterDrafter(self, request, context):
         """Drafter pool administration (DESIGN §6).
         """
@@ -125,6 +138,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specd_dot_v1_dot_verifier__pb2.InfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_verifier__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.SerializeToString,
             ),
             'RegisterDrafter': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterDrafter,
@@ -223,6 +241,33 @@ class Verifier:
             '/specd.v1.Verifier/Info',
             specd_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
             specd_dot_v1_dot_verifier__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Verifier/GetTokenizer',
+            specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
+            specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,
