@@ -120,9 +120,16 @@ class LLMEngine:
             # No point reserving more than max_num_seqs full-length sequences can use.
             blocks = min(int(budget // per_block), per_seq * config.max_num_seqs)
         if blocks < per_seq:
-            raise ValueError(f"KV cache of {blocks} blocks x {config.block_size} tokens cannot hold one "
-                             f"sequence of max_model_len {self.max_model_len}; raise the KV budget or "
-                             f"lower max_model_len")
+            if config.max_model_len is not None or blocks < 1:  # asked for explicitly: not ours to change
+                raise ValueError(f"KV cache of {blocks} blocks x {config.block_size} tokens cannot hold one "
+                                 f"sequence of max_model_len {self.max_model_len}; raise the KV budget or "
+                                 f"lower max_model_len")
+            # The model's own context is only a ceiling: fit it to the cache, as llama.cpp and
+            # Ollama fit the context to the machine, instead of refusing to serve.
+            log.warning("max_model_len lowered from the model's %d to %d tokens: what a KV cache of %d blocks x "
+                        "%d tokens holds (raise --kv-cache-gb or --num-kv-blocks for more)", self.max_model_len,
+                        blocks * config.block_size, blocks, config.block_size)
+            self.max_model_len = blocks * config.block_size
         return blocks
 
     # -- requests ------------------------------------------------------------

@@ -68,6 +68,20 @@ def test_kv_budget_too_small_for_one_sequence(llama_dir):
         LLM(llama_dir, num_kv_blocks=1, block_size=16, max_model_len=128)
 
 
+def test_max_model_len_is_fitted_to_the_kv_cache_unless_given(llama_dir, caplog):
+    """The model's 256 positions do not fit 4 blocks of 16: unasked, max_model_len becomes 64 (a
+    log line says so) and serves; a prompt past it gets the usual error."""
+    from specd import LLM, SamplingParams
+
+    with caplog.at_level("WARNING", logger="specd.engine.llm_engine"):
+        llm = LLM(llama_dir, num_kv_blocks=4, block_size=16)
+    assert llm.engine.max_model_len == 64 and "max_model_len lowered from the model's 256 to 64" in caplog.text
+    (out,) = llm.generate([{"prompt_token_ids": list(range(5, 55))}], SamplingParams(temperature=0, max_tokens=30))
+    assert len(out.token_ids) == 64 - 50 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate([{"prompt_token_ids": list(range(5, 75))}])
+
+
 @pytest.mark.parametrize("prompt", [[5, 512], [5, 10**6], [-1, 5], []], ids=["id=vocab", "huge id", "negative", "empty"])
 def test_bad_prompt_ids(prompt, llama_dir, get_llm):
     llm = get_llm(llama_dir)
