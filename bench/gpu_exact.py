@@ -6,9 +6,10 @@ A random-weight Llama of a real shape (1B-class: 2048 hidden, 16 layers, GQA 32/
 downloaded on the lent GPU machines) is saved with transformers' save_pretrained and served by
 specd's engine in bfloat16 on CUDA, batch-invariant mode on (the Triton matmul of
 kernels/matmul_invariant_triton.py), with each paged-attention backend (torch, and the Triton
-kernel of SPECD_PAGED_ATTENTION=triton). Prompts repeat spans of themselves so n-gram drafts hit.
-Per backend: greedy tokens of every prompt decoded alone (the reference), the prompts as one batch,
-and both again with n-gram speculation (k = 4); every run must give the reference's tokens. The
+kernel of SPECD_PAGED_ATTENTION=triton). Prompts repeat spans of themselves so n-gram drafts hit,
+and may share a leading system prompt (--shared-prefix). Per backend: greedy tokens of every prompt
+decoded alone with no prefix cache (the reference); then, prefix cache on, alone and as one batch,
+plain and with n-gram speculation (chains and trees, k = 4); every run must give the reference's tokens. The
 load-time self-test's verdict (exact) is reported, and plain/speculative decode tok/s per run; the
 script fails where a run the engine called exact changed a token.
 """
@@ -40,12 +41,15 @@ def make_model(path: Path, layers: int, hidden: int, device: str) -> None:
     model.save_pretrained(path)
 
 
-def make_prompts(n: int, length: int) -> list[list[int]]:
+def make_prompts(n: int, length: int, shared: int = 0) -> list[list[int]]:
+    """n prompts of repeated spans (the n-gram drafter finds matches), the first `shared` tokens
+    common to all (a system prompt: the prefix cache serves it)."""
     g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, 32000, (shared,), generator=g).tolist()
     prompts = []
     for _ in range(n):
-        span = torch.randint(3, 32000, (length // 4,), generator=g).tolist()
-        prompts.append((span * 4)[:length])  # repeated spans: the n-gram drafter finds matches
+        span = torch.randint(3, 32000, (max(1, (length - shared) // 4),), generator=g).tolist()
+        prompts.append(system + (span * 4)[:length - shared])
     return prompts
 
 
@@ -74,47 +78,59 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--shared-prefix", type=int, default=0, help="leading tokens every prompt shares (prefix cache)")
+    p.add_argument("--backends", default="torch,triton", help="attention paths to run (SPECD_PAGED_ATTENTION)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
-    prompts = make_prompts(args.prompts, args.prompt_len)
+    prompts = make_prompts(args.prompts, args.prompt_len, args.shared_prefix)
     t_start, info = time.monotonic(), machine_info(torch.get_num_threads(), args.device, "bfloat16")
     rows, failures = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), args.layers, args.hidden, args.device)
-        for backend in ("torch", "triton"):
+        for backend in args.backends.split(","):
             os.environ["SPECD_PAGED_ATTENTION"] = backend
             kw = dict(dtype="bfloat16", device=args.device, max_model_len=1024, num_kv_blocks=2048)
+            # The reference decodes each prompt alone with no prefix cache; every other run has it on.
+            reference = LLM(tmp, enable_prefix_caching=False, **kw)
             llms = {"plain": LLM(tmp, **kw),
                     "ngram k=4": LLM(tmp, {"method": "ngram", "num_speculative_tokens": 4}, **kw),
                     "ngram tree k=4": LLM(tmp, {"method": "ngram", "num_speculative_tokens": 4,
                                                 "tree": {"branching": [3]}}, **kw)}
-            for llm in llms.values():
-                run(llm, prompts[:2], 8, True)  # warm-up: Triton compiles its kernels
-            ref, ref_tps = run(llms["plain"], prompts, args.new_tokens, batched=False)
+            for llm in (reference, *llms.values()):
+                run(llm, prompts[-2:], 8, True)  # warm-up: Triton compiles its kernels
+                llm.engine.block_manager.reset_prefix_cache()
+            ref, ref_tps = run(reference, prompts, args.new_tokens, batched=False)
             for name, llm in llms.items():
                 for batched in (False, True):
                     label = f"{name}, {'one batch' if batched else 'batch 1'}"
-                    outs, tps = (ref, ref_tps) if label == "plain, batch 1" else \
-                        run(llm, prompts, args.new_tokens, batched)
+                    hits = llm.engine.block_manager.stats.hits
+                    outs, tps = run(llm, prompts, args.new_tokens, batched)
                     same = sum(o == r for o, r in zip(outs, ref))
                     failures += llm.engine.model.exact and same != len(ref)  # exact = true is a promise
                     rows.append(dict(attention=backend, run=label, exact_at_load=bool(llm.engine.model.exact),
-                                     identical=f"{same}/{len(ref)}", tok_s=round(tps, 1)))
+                                     identical=f"{same}/{len(ref)}", tok_s=round(tps, 1),
+                                     cached_tokens=llm.engine.block_manager.stats.hits - hits))
                     print(rows[-1], flush=True)
-            del llms
+            rows.append(dict(attention=backend, run="plain, batch 1, no prefix cache (the reference)",
+                             exact_at_load=bool(reference.engine.model.exact), identical="-", tok_s=round(ref_tps, 1),
+                             cached_tokens=0))
+            del llms, reference
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    settings = dict(hidden=args.hidden, layers=args.layers, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    settings = dict(shared_prefix=args.shared_prefix, hidden=args.hidden, layers=args.layers, prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
 
     def render(r: dict) -> str:
         lines = ["# Greedy exactness on a GPU (bf16, CUDA)", "",
                  f"Random-weight Llama ({args.hidden} hidden, {args.layers} layers, GQA {args.hidden // 64}/{max(1, args.hidden // 256)}, "
                  f"vocab 32000), bf16, "
                  f"batch-invariant mode; {args.prompts} prompts x {args.prompt_len} tokens of repeated spans, "
-                 f"{args.new_tokens} greedy tokens each. Command: `{r['command']}`.", "",
-                 "| attention | run | exact (load test) | identical to plain batch 1 | tok/s |", "|---|---|---|---|---|"]
-        lines += [f"| {x['attention']} | {x['run']} | {x['exact_at_load']} | {x['identical']} | {x['tok_s']} |"
-                  for x in r["rows"]]
+                 f"{args.new_tokens} greedy tokens each, the first {args.shared_prefix} tokens shared by all. "
+                 f"Reference: each prompt decoded alone, prefix cache off; every other run has it on. "
+                 f"Command: `{r['command']}`.", "",
+                 "| attention | run | exact (load test) | identical to the reference | prompt tokens from the prefix cache "
+                 "| tok/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {x['attention']} | {x['run']} | {x['exact_at_load']} | {x['identical']} | {x['cached_tokens']} "
+                  f"| {x['tok_s']} |" for x in r["rows"]]
         return "\n".join(lines + ["", f"GPU: {r['machine'].get('gpu')}. " + machine_line(r), ""])
 
     write_result(Path(args.out) / "gpu_exact", "bench/gpu_exact.py", argv, info, settings, rows, t_start, render)
