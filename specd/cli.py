@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +81,7 @@ def _read_prompts(args) -> list:
 
 
 def _run_generate(args) -> int:
+    from specd.engine.loader import set_threads
     from specd.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -120,16 +120,6 @@ def _generate_summary(outs, seconds: float) -> str:
                  f" acceptance_rate={total.acceptance_rate:.3f}"
                  f" mean_acceptance_length={total.mean_acceptance_length:.3f}")
     return line
-
-
-def set_threads(n: int | None) -> None:
-    if n is None:
-        return
-    if n < 1:
-        raise ValueError(f"--threads must be >= 1, got {n}")
-    import torch
-
-    torch.set_num_threads(n)
 
 
 def _add_demo_models(sub) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.llm_engine import LLMEngine
+from specd.proposers.factory import in_process_proposer
 from specd.sampling import SamplingParams
 from specd.tokenizer import Tokenizer
 
@@ -35,7 +36,8 @@ class LLM:
     def __init__(self, model: str, speculative_config: "str | dict | SpeculativeConfig | None" = None,
                  **engine_kwargs):
         spec = SpeculativeConfig.parse(speculative_config)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), spec)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), spec,
+                                proposer_factory=in_process_proposer)
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
 
     def generate(self, prompts: Prompt | list[Prompt],

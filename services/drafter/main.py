@@ -146,7 +146,7 @@ def describe_features(proposer, info) -> None:
 def run(args) -> int:
     import asyncio
 
-    from specd.cli import set_threads
+    from specd.engine.loader import set_threads
     from specd.drafter.metrics import DrafterMetrics
     from specd.grpc_server import install_uvloop, setup_logging
     from specd.metrics_port import start_metrics

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import asyncio
 
-    from specd.cli import default_model, set_threads
+    from specd.engine.loader import set_threads
+    from specd.model_store import default_target
     from specd.config import EngineConfig, SpeculativeConfig
     from specd.grpc_server import install_uvloop, setup_logging
     from specd.metrics_port import start_metrics
@@ -83,7 +84,7 @@ def run(args) -> int:
     security = auth.from_args(args)  # a bad secret file or certificate fails before the model loads
     setup_tracing("specd-verifier")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     set_threads(args.threads)
-    model = args.model or default_model()
+    model = args.model or default_target()
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -155,8 +156,11 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
                            args.propose_timeout_ms / 1e3, metrics, security,
                            allowed_addresses(args.allow_drafter_address, startup))
+    from specd.proposers.factory import in_process_proposer
+
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
-    engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None))
+    engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None,
+                                                                proposer_factory=in_process_proposer))
     if pool is not None:
         from specd.verifier.drafter_client import FeatureTarget
 

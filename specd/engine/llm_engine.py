@@ -13,7 +13,7 @@ from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
-from specd.engine.sampler import Sampler, SamplingMetadata, draft_seed, make_generator
+from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
 from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
@@ -46,9 +46,11 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, speculative_config: SpeculativeConfig | None = None,
-                 proposer=None):
-        """proposer: where drafts come from (the verifier passes its drafter pool); default: an
-        in-process proposer built from speculative_config.method."""
+                 proposer=None, proposer_factory=None):
+        """proposer: where drafts come from (the verifier passes its drafter pool); else
+        proposer_factory(speculative_config, engine) builds one in this process once the target is
+        loaded (specd.proposers.factory.in_process_proposer: specd.LLM and the verifier pass it).
+        The engine never imports a proposer (docs/architecture.md, the import rules)."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.arch = read_arch_config(self.model_dir)
@@ -74,24 +76,19 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
         self.sequences: dict[int, Sequence] = {}
-        self.speculator = self._make_speculator(speculative_config, proposer) if speculative_config else None
+        self.speculator = self._make_speculator(speculative_config, proposer, proposer_factory) \
+            if speculative_config else None
         self.timings = StepTimings()
         self._grammars = None  # specd.engine.grammar.Grammars, made on the first constrained request
 
-    def _make_speculator(self, spec: SpeculativeConfig, proposer):
-        from specd.proposers.factory import make_proposer
+    def _make_speculator(self, spec: SpeculativeConfig, proposer, proposer_factory):
         from specd.engine.speculator import Speculator
 
         if proposer is None:
-            if spec.method is None:
-                raise ValueError("speculative config needs 'method' (ngram, suffix or draft_model) "
-                                 "when no drafter service provides proposals")
-            # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts
-            # correlated with the acceptance uniforms); derived from it, runs stay reproducible.
-            if spec.draft_dtype == "auto":  # a draft model in this process computes in the target's dtype
-                spec = spec.model_copy(update={"draft_dtype": str(self.dtype).removeprefix("torch.")})
-            proposer = make_proposer(spec, target_vocab_size=self.arch.vocab_size, device=self.device,
-                                     seed=draft_seed(self.config.seed, -1))
+            if proposer_factory is None:
+                raise ValueError("speculation needs a proposer: pass one, or a proposer_factory "
+                                 "(specd.proposers.factory.in_process_proposer)")
+            proposer = proposer_factory(spec, self)
         return Speculator(spec, proposer, self.arch.vocab_size, self.max_model_len)
 
     # -- setup ---------------------------------------------------------------

@@ -32,6 +32,15 @@ _FUSED = {
 }
 
 
+def set_threads(n: int | None) -> None:
+    """torch's intra-op threads for this process (None: torch's default)."""
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
 def resolve_model_dir(model: str) -> Path:
     """A local directory, a GGUF file (or a directory holding one and no config.json) converted
     once into the cache, or a hub id fetched (or found in the local hub cache)."""

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 
 from specd.config import DEFAULT_TREE_NODES, SpeculativeConfig
+from specd.engine.proposal import ProposeRequest
 from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
@@ -51,8 +52,6 @@ class Speculator:
 
     def propose(self, batch: list[ScheduledSeq], budget_left: int) -> dict[int, Drafts]:
         """Drafts by seq_id for the decoding entries of the batch (the batch is not changed)."""
-        from specd.proposers.base import ProposeRequest
-
         decoding = [e for e in batch if e.num_new_tokens == 1 and e.num_logits == 1]
         if not decoding:
             return {}

@@ -53,3 +53,18 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
     if spec.tree is not None:  # ngram: earlier matches with different next tokens as branches
         options.update(tree_branches=spec.tree.branching[0], tree_max_nodes=spec.tree.max_nodes)
     return PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)
+
+
+def in_process_proposer(spec: SpeculativeConfig, engine):
+    """The proposer spec names, built beside an LLMEngine in its process (its proposer_factory)."""
+    from specd.engine.sampler import draft_seed
+
+    if spec.method is None:
+        raise ValueError("speculative config needs 'method' (ngram, suffix or draft_model) "
+                         "when no drafter service provides proposals")
+    if spec.draft_dtype == "auto":  # a draft model in this process computes in the target's dtype
+        spec = spec.model_copy(update={"draft_dtype": str(engine.dtype).removeprefix("torch.")})
+    # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts correlated
+    # with the acceptance uniforms); derived from it, runs stay reproducible.
+    return make_proposer(spec, target_vocab_size=engine.arch.vocab_size, device=engine.device,
+                         seed=draft_seed(engine.config.seed, -1))

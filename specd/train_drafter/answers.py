@@ -6,7 +6,10 @@ be asked to draft; the whole set is a deterministic function of (target, prompts
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,3 +58,34 @@ def generate_in_waves(llm, prompt_ids: list[list[int]], params: list, batch: int
         if on_wave is not None:
             on_wave(done)
     return [outs[i] for i in range(len(prompt_ids))]
+
+
+def training_answers(target_dir: Path, args, log=print):
+    """The training chat prompts and the target's answers to them: the stdlib-built prompts, then
+    the everyday questions (each set cached on its own, so either can grow without the other)."""
+    from specd.train_drafter.prompts import training_prompts
+    from specd.train_drafter.questions import everyday_questions
+
+    prompts, sequences = [], []
+    for part in (training_prompts(args.prompts), everyday_questions(getattr(args, "questions", 0))):
+        if part:
+            prompts += part
+            sequences += cached_answers(target_dir, part, args, log)
+    return prompts, sequences
+
+
+def cached_answers(target_dir: Path, prompts, args, log, greedy_only: bool = False, dtype: str | None = None):
+    """The target's answers to prompts, generated once per (weights, prompts, settings) and kept in
+    the cache: every trainer (the draft model, EAGLE, the other heads) reads the same ones."""
+    from specd.cache import cache_root, file_sha256
+
+    dtype = dtype or args.answer_dtype
+    key = hashlib.sha256(json.dumps([file_sha256(target_dir / "model.safetensors"), prompts, args.max_tokens,
+                                     dtype, greedy_only, args.threads]).encode()).hexdigest()[:16]
+    path = cache_root() / "train-drafter" / f"answers-{key}.pt"
+    if path.is_file():
+        return torch.load(path)
+    seqs = generate_answers(str(target_dir), prompts, args.max_tokens, dtype, greedy_only=greedy_only, log=log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(seqs, path)
+    return seqs

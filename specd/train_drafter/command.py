@@ -12,7 +12,6 @@ that determines them, so a rerun skips straight to training.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from dataclasses import asdict, replace
@@ -120,6 +119,7 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     from specd.model_store import target_embeddings
     from specd.tokenizer import Tokenizer
     from specd.train_drafter import distill
+    from specd.train_drafter.answers import cached_answers, training_answers
     from specd.workloads import WORKLOADS, workload
 
     t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     heldout = {}
     for name in WORKLOADS:
         msgs = workload(name, args.eval_prompts)
-        seqs = _cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
+        seqs = cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
         heldout[name] = distill.teacher_topk(target, seqs, [len(chat_prompt_ids(tok, m)) for m in msgs], cfg, log)
     drafter = distill.make_drafter(target, cfg.layers)
     drafter.model.embed_tokens.weight.data.copy_(target_embeddings(target_dir))  # exact, not bf16-rounded
@@ -157,20 +157,6 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     return report
 
 
-def training_answers(target_dir: Path, args, log=print):
-    """The training chat prompts and the target's answers to them: the stdlib-built prompts, then
-    the everyday questions (each set cached on its own, so either can grow without the other)."""
-    from specd.train_drafter.prompts import training_prompts
-    from specd.train_drafter.questions import everyday_questions
-
-    prompts, sequences = [], []
-    for part in (training_prompts(args.prompts), everyday_questions(getattr(args, "questions", 0))):
-        if part:
-            prompts += part
-            sequences += _cached_answers(target_dir, part, args, log)
-    return prompts, sequences
-
-
 def _heldout_loss(head, examples, cfg) -> float:
     """Cross-entropy against the teacher's top-k on answer tokens (lower is better)."""
     import torch
@@ -186,25 +172,6 @@ def _coverage(head, examples) -> float:
     answer = [e.ids[e.prompt_len:] for e in examples]
     total = sum(len(a) for a in answer)
     return sum(int((head.to_draft[a] >= 0).sum()) for a in answer) / max(1, total)
-
-
-def _cached_answers(target_dir: Path, prompts, args, log, greedy_only: bool = False, dtype: str | None = None):
-    import torch
-
-    from specd.cache import cache_root
-    from specd.cache import file_sha256
-    from specd.train_drafter.answers import generate_answers
-
-    dtype = dtype or args.answer_dtype
-    key = hashlib.sha256(json.dumps([file_sha256(target_dir / "model.safetensors"), prompts, args.max_tokens,
-                                     dtype, greedy_only, args.threads]).encode()).hexdigest()[:16]
-    path = cache_root() / "train-drafter" / f"answers-{key}.pt"
-    if path.is_file():
-        return torch.load(path)
-    seqs = generate_answers(str(target_dir), prompts, args.max_tokens, dtype, greedy_only=greedy_only, log=log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(seqs, path)
-    return seqs
 
 
 def _save(head, out: Path, cfg) -> None:

@@ -156,7 +156,7 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
     from specd.engine.loader import load_model, read_arch_config
     from specd.proposers.hidden_state import HiddenStateProposer
     from specd.tokenizer import Tokenizer
-    from specd.train_drafter.command import _cached_answers, training_answers
+    from specd.train_drafter.answers import cached_answers, training_answers
     from specd.workloads import WORKLOADS, workload
 
     t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
     heldout = {}
     for name in WORKLOADS:
         msgs = workload(name, args.eval_prompts)
-        hs = _cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
+        hs = cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
         heldout[name] = (hs, target_features(target, hs, log), [len(chat_prompt_ids(tok, m)) for m in msgs])
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     arch = read_arch_config(target_dir)

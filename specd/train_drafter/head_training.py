@@ -247,7 +247,7 @@ def prepare(target_dir: Path, args, log=print) -> dict:
     from specd.chat import chat_prompt_ids
     from specd.engine.loader import read_arch_config
     from specd.tokenizer import Tokenizer
-    from specd.train_drafter.command import _cached_answers, training_answers
+    from specd.train_drafter.answers import cached_answers, training_answers
     from specd.workloads import WORKLOADS, workload
 
     arch = read_arch_config(target_dir)
@@ -261,7 +261,7 @@ def prepare(target_dir: Path, args, log=print) -> dict:
             "final": columns(feats, layers, (arch.num_layers,), arch.hidden_size)}
     for name in WORKLOADS:
         msgs = workload(name, args.eval_prompts)
-        hs = _cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
+        hs = cached_answers(target_dir, msgs, args, log, greedy_only=True, dtype="float32")
         data["heldout"][name] = (hs, target_features(target, hs, log, layers=layers),
                                  [len(chat_prompt_ids(tok, m)) for m in msgs])
     return data

@@ -67,11 +67,12 @@ def test_unseeded_drafter_and_verifier_streams_are_independent(proposer):
 def test_the_offline_engines_drafter_stream_is_derived_not_shared():
     from specd.config import EngineConfig, SpeculativeConfig
     from specd.engine.llm_engine import LLMEngine
+    from specd.proposers.factory import in_process_proposer
 
     spec = SpeculativeConfig.parse({"method": "draft_model", "model": str(demo_model_dir("drafter")),
                                     "num_speculative_tokens": 2, "draft_sample_method": "sampled"})
     engine = LLMEngine(EngineConfig(model=str(demo_model_dir("target")), dtype="float32", device="cpu",
-                                    num_kv_blocks=64), spec)
+                                    num_kv_blocks=64), spec, proposer_factory=in_process_proposer)
     drafter_seed = engine.speculator.proposer.generator.initial_seed()
     assert drafter_seed != engine.sampler.default_generator.initial_seed()
     assert drafter_seed == draft_seed(engine.config.seed, -1)  # reproducible across runs

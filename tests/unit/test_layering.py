@@ -1,7 +1,15 @@
-"""The shared core (specd/) never imports the services (services/ → specd.gateway,
-specd.verifier, specd.drafter): proposers, engine and sampling live in the core and the
-services host them. The CLI's command table names service modules as strings only, to
-start the one a user asked for."""
+"""The import rules (docs/architecture.md, "Import rules"), read from the source of every module,
+imports inside functions included (a lazy import is still an arrow):
+- the shared core (specd/) never imports the services (services/ -> specd.gateway, specd.verifier,
+  specd.drafter): the services host the core, not the other way round. The CLI's command table
+  names service modules as strings only, to start the one a user asked for;
+- the engine never imports a proposer, the CLI or a service: proposers implement the contract in
+  specd/engine/proposal.py and reach the engine as objects (LLMEngine's proposer or
+  proposer_factory);
+- nothing imports the CLI (specd/cli.py): it is the top, its helpers live where they belong;
+- no import circle among specd's modules, kernels and services (typing-only imports under
+  `if TYPE_CHECKING:` are not arrows at run time and are left out).
+"""
 from __future__ import annotations
 
 import ast
@@ -9,26 +17,124 @@ from pathlib import Path
 
 import specd
 
+REPO = Path(specd.__file__).resolve().parent.parent
 SERVICE_PACKAGES = ("specd.gateway", "specd.verifier", "specd.drafter")
+# pyproject's package-dir: where the specd.* packages outside specd/ live
+ROOTS = {"specd": REPO / "specd", "specd.kernels": REPO / "kernels", "specd.gateway": REPO / "services" / "gateway",
+         "specd.verifier": REPO / "services" / "verifier", "specd.drafter": REPO / "services" / "drafter"}
 
 
-def _imports(path: Path):
+def _imports(path: Path, module: str = ""):
+    """Every module path imported in the file (relative imports resolved against `module`),
+    skipping `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for prefix, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("").parts
+            if "v1" in rel or "__pycache__" in rel:  # generated gRPC stubs
+                continue
+            parts = [p for p in rel if p != "__init__"]
+            name = ".".join([prefix, *parts])
+            if name not in found or prefix == "specd":
+                found.setdefault(name, path)
+    return found
+
+
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {name: {m for m in _imports(path, name) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def _offenders(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{name}: {m}" for name, path in _modules().items() if name.startswith(prefix)
+            for m in _imports(path, name) if m.startswith(forbidden)]
 
 
 def test_core_never_imports_services():
-    core = Path(specd.__file__).parent
-    offenders = [f"{p.relative_to(core)}: {name}" for p in sorted(core.rglob("*.py"))
-                 for name in _imports(p) if name.startswith(SERVICE_PACKAGES)]
+    core = {n: p for n, p in _modules().items() if p.is_relative_to(REPO / "specd")}
+    offenders = [f"{n}: {m}" for n, p in core.items() for m in _imports(p, n) if m.startswith(SERVICE_PACKAGES)]
     assert not offenders, offenders
 
 
-def test_the_check_sees_a_service_import(tmp_path):
+def test_the_engine_imports_no_proposer_cli_or_service():
+    assert not _offenders("specd.engine", ("specd.proposers", "specd.cli", "specd.up", *SERVICE_PACKAGES))
+
+
+def test_nothing_imports_the_cli():
+    offenders = [f"{n}: {m}" for n, p in _modules().items() if n != "specd.cli"
+                 for m in _imports(p, n) if m == "specd.cli" or m.startswith("specd.cli.")]
+    assert not offenders, offenders
+
+
+def test_no_import_circles():
+    assert not _circles(_graph(_modules()))
+
+
+def test_the_checks_see_what_they_forbid(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from specd.drafter.server import serve\n")
-    assert "specd.drafter.server" in list(_imports(bad))
+    bad.write_text("def f():\n    from specd.drafter.server import serve\n    from ..proposers import ngram\n"
+                   "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specd.cli import main\n")
+    found = list(_imports(bad, "specd.engine.bad"))
+    assert "specd.drafter.server" in found and "specd.proposers.ngram" in found  # lazy and relative ones
+    assert "specd.cli" not in found  # typing only
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
