@@ -20,6 +20,20 @@ LAYOUTS = ["eagle", "eagle_speculators", "eagle3", "eagle3_speculators", "eagle3
 DRAFT_VOCAB = 48
 
 
+def head_target(out: Path, max_positions: int = 128):
+    """The 8-layer target (vocab 96) the heads are written for, saved to `out` -> (dir, model)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                                   initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    return str(out), model
+
+
 def _rand(*shape, std=0.2):
     return std * torch.randn(*shape)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from drafter_helpers import perturbed_copy
-from head_layouts import write_layout
+from head_layouts import head_target, write_layout
 from specd import SamplingParams
 from specd.engine.block_manager import BlockManager, block_hashes
 from specd.engine.sequence import Sequence
@@ -168,23 +167,15 @@ def test_greedy_identical_with_the_cache_on_and_off(method, num_kv_blocks, targe
 
 
 @pytest.fixture(scope="module")
-def head_target(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160,
-                                   initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    d = tmp_path_factory.mktemp("pc-head-target")
-    model.save_pretrained(d)
-    return str(d), model
+def head_target_dir(tmp_path_factory):
+    return head_target(tmp_path_factory.mktemp("pc-head-target"), max_positions=160)
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3", "medusa_st", "mlp"])
-def test_hidden_state_heads_get_their_features_on_a_hit(layout, head_target, get_llm, make_prompts, tmp_path):
+def test_hidden_state_heads_get_their_features_on_a_hit(layout, head_target_dir, get_llm, make_prompts, tmp_path):
     """A hit gives the sequence the cached blocks' feature rows too: the head drafts from the first
     step, and the tokens equal the cache off."""
-    target_dir, model = head_target
+    target_dir, model = head_target_dir
     method, head_dir, _ = write_layout(layout, tmp_path / layout, model)
     spec = {"method": method, "model": str(head_dir), "target_model": target_dir, "num_speculative_tokens": 3,
             "adaptive": False}

@@ -5,11 +5,10 @@ never asks for resync forever)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specd import SamplingParams
 
-from head_layouts import write_layout
+from head_layouts import head_target, write_layout
 
 transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -17,15 +16,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    d = tmp_path_factory.mktemp("engine-target")
-    model.save_pretrained(d)
-    return str(d), model
+    return head_target(tmp_path_factory.mktemp("engine-target"))
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3", "medusa_st", "mlp"])
