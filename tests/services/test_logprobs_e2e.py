@@ -43,8 +43,11 @@ def client(launcher):
                                                   "--options", '{"prompt_lookup_min": 1, "prompt_lookup_max": 3}'])
     # A generous propose deadline: on a loaded machine a missed one would only cost drafts, but
     # the speculation-on cases must really speculate.
+    # No prefix cache: the tests compare a request with its own stream, logprobs to the bit, and in
+    # float32 on a CPU whose kernels are not batch-invariant (exact = false) a cache hit computes the
+    # prompt's tail in another layout, which moves logprobs in their last bits.
     verifier = launcher.start("verifier", "verifier", ["--model", str(MODEL_DIR), "--dtype", "float32", "--device",
-                                                       "cpu", "--drafter", f"ng={ng.address}",
+                                                       "cpu", "--drafter", f"ng={ng.address}", "--no-prefix-caching",
                                                        "--propose-timeout-ms", "5000", "--log-level", "warning"])
     stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
     deadline = time.monotonic() + 60

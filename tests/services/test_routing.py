@@ -11,6 +11,7 @@ verifiers, for the wiring from --routing and the prompt to pick.
 """
 from __future__ import annotations
 
+import asyncio
 import random
 from concurrent import futures
 
@@ -29,6 +30,17 @@ from specd.v1 import verifier_pb2_grpc as pbg
 
 MODEL_DIR = demo_model_dir("target")
 VOCAB = 4096  # the demo tokenizer's; random prompts stay below it
+
+
+@pytest.fixture(autouse=True)
+def event_loop_for_channels():
+    """ReplicaSet's grpc.aio channels are made on the current event loop, and a test run before
+    this module may have left none set: each test gets its own."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
