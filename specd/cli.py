@@ -110,7 +110,7 @@ def _generate_summary(outs, seconds: float) -> str:
     from specd.engine.spec_stats import SpecStats
 
     tokens = sum(len(o.token_ids) for o in outs)
-    line = (f"summary: prompts={len(outs)} generated_tokens={tokens} wall_s={seconds:.3f} "
+    line = (f"summary: prompts={len(outs)} generated_tokens={tokens} wall_s={seconds:.6f} "
             f"tokens_per_s={tokens / seconds if seconds > 0 else 0.0:.1f}")
     specs = [o.spec for o in outs if o.spec is not None]
     if specs:  # speculation configured (counters are zero where nothing was drafted)
