@@ -93,8 +93,11 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
                       exact=info.exact)
     log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len,
              ", ".join(config.verifiers))
+    # Idle keep-alive connections live 75 s (nginx's default), not uvicorn's 5: a client's pool that
+    # pauses between bursts (a batch of requests, then the next) otherwise reuses connections the
+    # server is closing that very moment ("Server disconnected without sending a response").
     server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,
-                                           log_level=log_level, timeout_graceful_shutdown=5,
+                                           log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75,
                                            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
     await server.serve()
     return 0
