@@ -32,6 +32,23 @@ FOLLOW_UPS = ("Can you say more about that?", "Give me a concrete example.", "Wh
               "about it?", "How would you explain it to a child?", "Summarize our conversation in one sentence.")
 
 
+def free_ports(n: int) -> int:
+    """The first of n consecutive ports that are all free now."""
+    import socket
+
+    while True:
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
 def system_prompt(tokens: int) -> str:
     from specd.model_store import default_target
     from specd.tokenizer import Tokenizer
@@ -77,9 +94,8 @@ def one_run(name: str, flags: list[str], replicas: int, system: str, args) -> di
 
     from specd.workloads import CHAT_QUESTIONS
 
-    port, metrics = free_port(), free_port()
-    while any(free_port() == metrics + i for i in range(1, replicas + 4)):  # the next ports must be free too
-        metrics = free_port()
+    # specd up counts metrics ports up from --metrics-port: one per replica, then one per drafter
+    port, metrics = free_port(), free_ports(replicas + 2)
     argv = [sys.executable, "-m", "specd.cli", "up", "--port", str(port), "--verifier-port", str(free_port()),
             "--drafter-port", str(free_port()), "--metrics-port", str(metrics), "--replicas", str(replicas), *flags]
     up = Server(argv, f"http://127.0.0.1:{port}/health")
@@ -119,7 +135,7 @@ def render(r: dict) -> str:
              "(default target and drafters) but the flags named. Computed: prompt tokens the verifiers ran "
              "(prompt tokens less cache hits). Command: `" + r["command"] + "`.", "",
              "| run | replicas | TTFT p50 s | TTFT p95 s | turns 2-6 TTFT p50 s | p95 s | prompt tokens | computed "
-             "| hit rate | answers equal to cache off |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| hit rate | answers equal to the first run's |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         lines.append(f"| {x['run']} | {x['replicas']} | {x['ttft_p50_s']} | {x['ttft_p95_s']} | "
                      f"{x['later_ttft_p50_s']} | {x['later_ttft_p95_s']} | {x['prompt_tokens']} | "

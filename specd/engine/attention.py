@@ -43,7 +43,8 @@ class AttentionMetadata:
     tree_anc: torch.Tensor | None = None  # [B, Q, A] bool: query row sees tree token a
     tree_path: torch.Tensor | None = None  # [B, Q, A] int64: key index of the row's ancestor at depth t (0 padded)
     tree_pos_2d: torch.Tensor | None = None  # [B, Q] RoPE position of each padded query row
-    _masks: dict = field(default_factory=dict)  # per step: mask() and compact_keys() by window
+    # Per step, derived once: mask() and compact_keys() by window, the Triton kernel's per-token tree inputs.
+    _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[B, 1, Q, C] boolean (True = attend), built once per window per step."""

@@ -21,17 +21,14 @@ from dataclasses import dataclass
 from specd.engine.sequence import Sequence
 
 
-def block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"", start: list[bytes] | None = None,
-                 limit: int | None = None) -> list[bytes]:
-    """Content hashes of the full blocks of token_ids (at most `limit`), chained: each covers its
-    block and everything before it. `start`: hashes already known for the first blocks (extended,
-    not recomputed). `salt` tells models apart (the weights' fingerprint)."""
-    hashes = list(start or [])
-    full = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    prev = hashes[-1] if hashes else salt
-    for i in range(len(hashes), full):
-        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
-        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+def block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Content hashes of the full blocks of token_ids, chained: each covers its block and everything
+    before it. `salt` seeds the chain: the model's (the weights' fingerprint tells models apart), or
+    the hash of the block before token_ids[0] when extending a chain."""
+    hashes, prev = [], salt
+    for i in range(len(token_ids) // block_size):
+        prev = hashlib.blake2b(prev + array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes(),
+                               digest_size=16).digest()
         hashes.append(prev)
     return hashes
 
@@ -80,8 +77,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return []
         limit = (len(seq) - 1) // self.block_size
-        seq.block_hashes = block_hashes(seq.token_slice(0, limit * self.block_size), self.block_size,
-                                        self.salt, seq.block_hashes, limit)
+        self._hash_blocks(seq, limit)
         hit = []
         for h in seq.block_hashes[:limit]:
             block = self._block_of.get(h)
@@ -98,8 +94,7 @@ class BlockManager:
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_cached_blocks:
             return []
-        seq.block_hashes = block_hashes(seq.token_slice(0, full * self.block_size), self.block_size,
-                                        self.salt, seq.block_hashes, full)
+        self._hash_blocks(seq, full)
         added = []
         for i in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[i], seq.block_hashes[i]
@@ -109,8 +104,12 @@ class BlockManager:
         seq.num_cached_blocks = full
         return added
 
-    def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
+    def _hash_blocks(self, seq: Sequence, n: int) -> None:
+        """Extend seq.block_hashes to its first n blocks, hashing only the blocks not hashed yet."""
+        have = len(seq.block_hashes)
+        if n > have:
+            tokens = seq.token_slice(have * self.block_size, n * self.block_size)
+            seq.block_hashes += block_hashes(tokens, self.block_size, seq.block_hashes[-1] if have else self.salt)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no sequence holds (returns how many); held ones stay."""

@@ -60,8 +60,8 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len,
                                 config.batch_invariant)
         num_blocks = self._num_kv_blocks(config)
-        # Cached KV is keyed by the weights too: a cache never outlives its model, but the salt keeps
-        # the hashes (which the gateway's routing computes the same way) specific to the model.
+        # Cached blocks' hashes are salted with the weights' fingerprint: equal hashes mean equal
+        # tokens on this model (a cache never outlives its model; the salt says so in the key).
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           salt=self.model.fingerprint.encode())
         batched = config.max_num_batched_tokens or (

@@ -213,8 +213,7 @@ class Scheduler:
     def _usable_prefix(self, seq: Sequence, prefix: list[int]) -> list[int]:
         """The hit, cut where a hidden-state drafter would lack features: at the first block
         cached without them (unless seq still has its own, e.g. after preemption)."""
-        if not self.feature_layers or (seq.features is not None and seq.features.layers == self.feature_layers
-                                       and seq.features.num_rows >= len(prefix) * self.blocks.block_size):
+        if self._has_features(seq, len(prefix) * self.blocks.block_size):
             return prefix
         for n, block in enumerate(prefix):
             kept = self._block_features.get(block)
@@ -222,10 +221,14 @@ class Scheduler:
                 return prefix[:n]
         return prefix
 
+    def _has_features(self, seq: Sequence, num_tokens: int) -> bool:
+        """No drafter wants features, or seq holds its own for its first num_tokens positions."""
+        f = seq.features
+        return not self.feature_layers or (f is not None and f.layers == self.feature_layers
+                                           and f.num_rows >= num_tokens)
+
     def _restore_features(self, seq: Sequence, prefix: list[int]) -> None:
-        end = len(prefix) * self.blocks.block_size
-        if not self.feature_layers or (seq.features is not None and seq.features.layers == self.feature_layers
-                                       and seq.features.num_rows >= end):
+        if self._has_features(seq, len(prefix) * self.blocks.block_size):
             return
         import torch
 

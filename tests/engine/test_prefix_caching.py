@@ -51,6 +51,7 @@ def test_hashes_chain_the_whole_prefix():
     b = block_hashes([99] + list(range(1, 48)), BS)
     assert len(a) == 3 and a[0] != b[0] and a[1] != b[1]  # same block tokens, other prefix: other hash
     assert block_hashes(list(range(40)), BS) == a[:2]
+    assert block_hashes(list(range(16, 48)), BS, salt=a[0]) == a[1:]  # a chain extended from its last hash
     assert block_hashes(list(range(48)), BS, salt=b"other model") != a
 
 
