@@ -2,7 +2,10 @@
 drafter where several serve (a verifier's pool: e.g. a draft model and a suffix index).
 
 Cost model (DESIGN §8), measured online:
-  verify time  V(T) = a + b·T, T = tokens in the forward (least squares, forgetting old steps)
+  verify time  V(T), T = tokens in the forward: measured per T up to VerifyCost.TABLE_MAX (a
+               CPU's matmul computes rows in register tiles, so e.g. 1-4 rows cost alike and a
+               5th costs a tile more: a line through the points misprices every k), a + b·T
+               beyond (least squares, forgetting old steps)
   draft time   D(n) = c + e·n per draft step, n = sequences drafting (proposers draft all
                sequences of a step together, so one exploring sequence costs far less
                than the whole batch: a single per-step number made batch 32 look cheap)
@@ -64,6 +67,45 @@ class LinearCost:
         var = self.sxx / self.s1 - mean_x**2
         slope = max((self.sxy / self.s1 - mean_x * mean_y) / var, 0.0) if var > 1e-9 else 0.0
         return max(mean_y + slope * (tokens - mean_x), 0.0)
+
+
+class VerifyCost:
+    """Seconds of a verify forward by its token count T: the median of the last few steps of
+    each T up to TABLE_MAX, the line (LinearCost) beyond. A small T not measured yet is priced
+    at the dearest smaller T measured, the least it can cost (a forward never gets cheaper with
+    more tokens), so the controller tries it once and then knows its price (a k that fills a
+    tile for free is found, not assumed away by the line)."""
+
+    TABLE_MAX = 16
+    KEEP = 5
+
+    def __init__(self) -> None:
+        self.line = LinearCost()
+        self.table: dict[int, list[float]] = {}
+
+    @property
+    def n(self) -> int:
+        return self.line.n
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.line.observe(tokens, seconds)
+        if tokens <= self.TABLE_MAX:
+            recent = self.table.setdefault(tokens, [])
+            recent.append(seconds)
+            del recent[:-self.KEEP]
+
+    def measured(self, tokens: int) -> float | None:
+        recent = self.table.get(tokens)
+        return sorted(recent)[len(recent) // 2] if recent else None
+
+    def __call__(self, tokens: int) -> float:
+        if tokens > self.TABLE_MAX:
+            return self.line(tokens)
+        here = self.measured(tokens)
+        if here is not None:
+            return here
+        below = [self.measured(t) for t in self.table if t < tokens]
+        return min(max(below), self.line(tokens)) if below else self.line(tokens)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -175,7 +217,7 @@ class RealizedGuard:
 class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
-        self.verify_cost = LinearCost()
+        self.verify_cost = VerifyCost()
         self.drafters: dict[str | None, _Drafter] = {}  # None: the one proposer of an engine
         self.per_seq: dict[int, dict[str | None, _SeqDrafter]] = {}
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from specd.engine.spec_controller import (EXPLORE_SHARE, MIN_SAMPLES, LinearCost, RealizedGuard, SpecController,
-                                          expected_tokens)
+                                          VerifyCost, expected_tokens)
 from specd.engine.spec_stats import SpecStats
 
 
@@ -29,6 +29,45 @@ def test_linear_cost_recovers_a_line():
     for t in range(1, 50):
         cost.observe(t, 0.002 + 0.0005 * t)
     assert abs(cost(100) - (0.002 + 0.05)) < 1e-6
+
+
+def test_verify_cost_keeps_small_token_counts_apart_and_prices_new_ones_at_least():
+    cost = VerifyCost()
+    for _ in range(3):
+        cost.observe(1, 0.010)
+        cost.observe(5, 0.018)
+    assert cost(1) == 0.010 and cost(5) == 0.018
+    assert cost(3) == 0.010  # not measured: the dearest smaller count, so it gets tried
+    cost.observe(3, 0.0105)
+    assert cost(3) == 0.0105 and cost(4) == 0.0105
+    cost.observe(3, 0.5)  # one slow step among five does not move the median
+    cost.observe(3, 0.0104)
+    assert cost(3) == 0.0105
+    assert abs(cost(100) - cost.line(100)) < 1e-12  # beyond the table: the line
+
+
+def test_a_verify_tile_that_fills_for_free_is_found():
+    """CPU matmul tiles (4 rows on AVX2): 1-4 tokens cost one tile, 5-8 two. With a cheap drafter
+    and high acceptance, k = 3 beats k = 4 (E 3.44 / 10 ms vs 4.10 / 18 ms), though a line through
+    1 and 5 tokens would price k = 3 at 16 ms and pick k = 4."""
+    verify = lambda t: 0.010 * ((t + 3) // 4)  # noqa: E731
+    c = SpecController(4)
+    for _ in range(MIN_SAMPLES):  # warm-up at full k, then plain decoding once
+        c.observe_verify(5, verify(5))
+    c.observe_verify(1, verify(1))
+    c.observe_draft(4, 1, 4 * 0.0001)
+    for i in range(200):
+        c.observe_accept(0, 4, 4 if i % 10 else 2)
+    chosen = []
+    for _ in range(12):
+        k = c.choose([(0, 4, None)], base_tokens=1)[0]
+        c.observe_verify(1 + k, verify(1 + k))
+        chosen.append(k)
+    assert chosen[-6:] == [3] * 6, chosen
+    line = LinearCost()
+    for t in (1, 5):
+        line.observe(t, verify(t))
+    assert expected_tokens(0.9, 3) / line(4) < expected_tokens(0.9, 4) / line(5)
 
 
 def test_expected_tokens():
