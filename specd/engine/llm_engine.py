@@ -232,7 +232,7 @@ class LLMEngine:
         finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features,
                                               self.runner.capture_layers, out.paths, self.runner.copy_kv)
         if spec is not None:
-            spec.end_step(batch, out.num_accepted, t0, t2 - t0, bool(finished))
+            spec.end_step(batch, t0, t2 - t0, bool(finished))
         for seq in finished:
             self._release(seq)
         return finished

@@ -20,11 +20,12 @@ Cost model (DESIGN §8), measured online:
 Expected tokens from k drafts: E(k) = 1 + y·((1 − α^{k+1}) / (1 − α) − 1). The controller
 picks the k, and per sequence the drafter out of a set S of drafters drafting this step
 (every subset is tried), that maximise Σ E / (V(T0 + Σ y·k) + max over S of the drafter's
-(1 − h)·D(n)·k + h·W) (drafters of one step answer concurrently); k = 0 (speculation off)
+(1 − h)·D(n)·k + h·W) (drafters of one step answer concurrently), each option's time scaled
+by what cycles of its mode really took over what was predicted (RealizedCalibration: the
+never-slower rule); k = 0 (speculation off)
 wins when the target is compute-bound (large batch) or acceptance is low. A sequence changes
 drafter only for a clearly better one (DRAFTER_MARGIN): the new drafter reads its whole
-history first. Turning speculation on must
-beat k = 0 by SWITCH_MARGIN: what the model leaves out (the drafter catching up on a
+history first. Turning speculation on must beat k = 0 by SWITCH_MARGIN: what the model leaves out (the drafter catching up on a
 sequence's history when speculation turns on, ragged finishing of a batch) all costs
 speculation, so a predicted gain of a few percent is a loss in practice.
 """
@@ -98,7 +99,16 @@ class VerifyCost:
         recent = self.table.get(tokens)
         return sorted(recent)[len(recent) // 2] if recent else None
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: float) -> float:
+        """Fractional counts (drafters that draft for a share of proposals) interpolate between
+        the whole counts around them: rounding 1 + 0.87 * 4 down to 4 tokens priced a 5-token
+        forward as a 4-token one."""
+        low = int(tokens)
+        if tokens > low:
+            return self._whole(low) + (tokens - low) * (self._whole(low + 1) - self._whole(low))
+        return self._whole(low)
+
+    def _whole(self, tokens: int) -> float:
         if tokens > self.TABLE_MAX:
             return self.line(tokens)
         here = self.measured(tokens)
@@ -153,65 +163,97 @@ class _SeqDrafter:
     made: _Acceptance = field(default_factory=_Acceptance)
 
 
-class _Rate:
-    """Exponentially weighted tokens per second of one kind of step cycle (recent cycles count most:
-    a probe of a few cycles is enough to change the verdict)."""
+class _Ratio:
+    """Realized over predicted, as decayed sums (recent cycles count most). The first cycle
+    comes with PRIOR cycles of 'as predicted', so one unlucky cycle cannot condemn a mode."""
+
+    PRIOR = 4
 
     def __init__(self) -> None:
-        self.tokens = self.seconds = 0.0
-        self.n = 0
+        self.real = self.predicted = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.tokens, self.seconds, self.n = 0.7 * self.tokens + tokens, 0.7 * self.seconds + seconds, self.n + 1
+    def observe(self, real: float, predicted: float, decay: float) -> None:
+        if self.predicted == 0.0:
+            self.real = self.predicted = self.PRIOR * predicted
+        self.real, self.predicted = decay * self.real + real, decay * self.predicted + predicted
 
     @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def value(self) -> float:
+        return self.real / self.predicted if self.predicted > 0 else 1.0
 
 
-class RealizedGuard:
-    """Never slower, whatever the cost model believes: per decoding batch size (in powers of two),
-    the tokens per second that decode cycles really gave (from one step's start to the next's,
-    so the service's own work per step counts) with speculation and without. Speculation goes on
-    only while it has been at least as fast as plain decoding; every PROBE_EVERY cycles the side
-    not in use runs PROBE_CYCLES cycles so both stay fresh (about 6% of cycles off the best)."""
+@dataclass
+class _Calibration:
+    seconds: _Ratio = field(default_factory=_Ratio)
+    n: int = 0
 
-    PROBE_EVERY = 64
+
+class RealizedCalibration:
+    """Never slower, whatever the cost model believes: per decoding batch size (in powers of two)
+    and mode (plain or spec), how long decode cycles really took over what the model predicted
+    for them, from one step's start to the next, so the drafter's round trip, the cores it takes
+    from the verifier and the service's own work per step all count. The controller divides each
+    option's predicted time by its mode's ratio before it picks, so speculation that ran slower
+    than plain decoding stops being picked. Time only, not tokens: tokens follow the text (a
+    passage that stops repeating), which the acceptance estimates follow per sequence; a ratio of
+    tokens lags them and, once it has turned speculation off, nothing would correct it. The side
+    not in use is probed (PROBE_CYCLES cycles after PROBE_AFTER of the other) so both stay
+    measured, and a probe's cycles outweigh the history before them (a probe refreshes)."""
+
+    DECAY = 0.9
+    # Cycles of the mode in use before the other is probed: speculation every 64 plain cycles (it
+    # may have come to pay), plain decoding every 256 speculative ones (its cost moves little).
+    PROBE_AFTER = {"plain": 64, "spec": 256}
     PROBE_CYCLES = 4
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[int, str], _Rate] = {}
+        self.cal: dict[tuple[int, str], _Calibration] = {}
         self.since_probe: dict[int, int] = {}
-        self.probing: dict[int, int] = {}  # cycles of the current probe left
+        self.probing: dict[int, tuple[str, int]] = {}  # bucket -> (mode probed, cycles left)
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
         return 1 << max(0, num_seqs - 1).bit_length()
 
-    def rate(self, num_seqs: int, mode: str) -> _Rate:
-        return self.rates.setdefault((self.bucket(num_seqs), mode), _Rate())
+    def get(self, num_seqs: int, mode: str) -> _Calibration:
+        return self.cal.setdefault((self.bucket(num_seqs), mode), _Calibration())
 
-    def allows(self, num_seqs: int) -> bool:
-        """Whether a step the cost model wants speculative may speculate."""
+    def scale(self, num_seqs: int, mode: str) -> float:
+        """Predicted over realized time for this mode (1 until it has been measured)."""
+        c = self.get(num_seqs, mode)
+        return 1.0 / c.seconds.value if c.n else 1.0
+
+    def mode(self, num_seqs: int, wanted: str, spec_may_pay: bool = True) -> str:
+        """The mode to run this cycle: the one the calibrated model wants, or the other on a probe
+        (also while the other has never been measured). Speculation is probed only where the
+        model before calibration wants it (spec_may_pay): where it predicts a loss anyway, a
+        probe would only cost."""
         b = self.bucket(num_seqs)
-        plain, spec = self.rate(num_seqs, "plain"), self.rate(num_seqs, "spec")
-        if spec.n < self.PROBE_CYCLES:
-            return True  # first measure what the model wants
-        if plain.n < self.PROBE_CYCLES:
-            return False  # then what it would leave
-        winning = spec.rate >= plain.rate
-        if self.probing.get(b):
-            self.probing[b] -= 1
-            return not winning
+        other = "plain" if wanted == "spec" else "spec"
+        if other == "spec" and not spec_may_pay:
+            self.probing.pop(b, None)
+            return wanted
+        probe = self.probing.get(b)
+        if probe:
+            self.probing[b] = (probe[0], probe[1] - 1) if probe[1] > 1 else None
+            return probe[0]
+        if self.get(num_seqs, wanted).n < self.PROBE_CYCLES:
+            return wanted  # first measure what the model wants, then what it would leave
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
-        if self.since_probe[b] >= self.PROBE_EVERY:
-            self.since_probe[b], self.probing[b] = 0, self.PROBE_CYCLES - 1
-            return not winning
-        return winning
+        if self.since_probe[b] >= self.PROBE_AFTER[wanted] or self.get(num_seqs, other).n == 0:
+            self.since_probe[b] = 0
+            self.probing[b] = (other, self.PROBE_CYCLES - 1)
+            c = self.get(num_seqs, other)
+            # A probe's cycles outweigh the history before it: the other mode's cost may have moved.
+            c.seconds.real, c.seconds.predicted = c.seconds.real * 0.3, c.seconds.predicted * 0.3
+            return other
+        return wanted
 
-    def observe(self, num_seqs: int, mode: str, tokens: int, seconds: float) -> None:
-        if mode in ("plain", "spec") and seconds > 0:
-            self.rate(num_seqs, mode).observe(tokens, seconds)
+    def observe(self, num_seqs: int, mode: str, seconds: float, predicted_seconds: float) -> None:
+        if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
+            c = self.get(num_seqs, mode)
+            c.seconds.observe(seconds, predicted_seconds, self.DECAY)
+            c.n += 1
 
 
 class SpecController:
@@ -224,9 +266,10 @@ class SpecController:
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
         self.explore_seq: int | None = None  # the sequence that explores while it runs
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
-        self.guard = RealizedGuard()
+        self.calibration = RealizedCalibration()
+        self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
-        self.step_mode = "plain"  # this step as the guard sees it: plain, spec, or explore / untimed (not timed)
+        self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
 
     def drafter(self, name: str | None = None) -> _Drafter:
         return self.drafters.setdefault(name, _Drafter())
@@ -249,31 +292,40 @@ class SpecController:
         self.pinned = pinned or {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
-            self.step_mode = "untimed"  # the guard learns nothing from steps the model did not choose
+            self.step_mode = "untimed"  # calibration learns nothing from steps the model did not choose
             return [(f if f is not None else min(self.max_k, cap),
                      self.pinned.get(sid) or self.current.get(sid, names[0]))
                     for f, (sid, cap, _) in zip(fixed, seqs)]
-        best, best_rate = None, -1.0
+        n = len(seqs)
+        best, best_rate, raw_best = None, -1.0, None
         for k in range(self.max_k + 1):
             for subset in _subsets(names) if k else [names[:1]]:
-                choice, rate = self._rate(seqs, fixed, k, subset, base_tokens)
+                option = self._rate(seqs, fixed, k, subset, base_tokens)
+                raw = option[1] / option[2] if option[2] > 0 else option[1]
+                rate = raw * self.calibration.scale(n, "spec" if k else "plain")
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
                 if rate > best_rate * (SWITCH_MARGIN if best is None or best[0] == 0 else 1.01):
-                    best, best_rate = (k, choice), rate
-        choice = best[1]
-        if best[0] > 0 and not self.guard.allows(len(seqs)):
-            choice = [(f if f is not None else 0, name) for f, (_, name) in zip(fixed, choice)]
+                    best, best_rate = (k, option), rate
+                if raw_best is None or raw > raw_best[1] * (SWITCH_MARGIN if raw_best[0] == 0 else 1.01):
+                    raw_best = (k, raw, option)
+        wanted = "spec" if best[0] else "plain"
+        mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0)
+        if mode != wanted:  # a probe of the other mode
+            best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, self._rate(seqs, fixed, 0, names[:1], base_tokens))
+        choice, _, self._predicted = best[1]
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
-        if self._explore(choice, fixed, seqs, base_tokens, names):
+        if self._explore(choice, fixed, seqs, base_tokens, names, raw_best[0] or self.max_k):
             self.step_mode = "explore"
         return choice
 
     def _rate(self, seqs, fixed, k: int, subset: list[str | None], base_tokens: int):
-        """(k, drafter) per sequence with drafters from subset, and the tokens per second expected."""
+        """(k, drafter) per sequence with drafters from subset -> (that choice, tokens expected,
+        seconds expected)."""
         choice, tokens, verify_tokens = [], 0.0, float(base_tokens)
         load: dict[str | None, tuple[int, int]] = {}  # drafter -> (sequences, largest k)
+        drafting_seqs: list[tuple[int, float]] = []  # (k, share of proposals with drafts)
         for f, (sid, cap, _) in zip(fixed, seqs):
             ki = f if f is not None else min(k, cap)
             if ki <= 0:
@@ -284,11 +336,18 @@ class SpecController:
             choice.append((ki, name))
             tokens += 1.0 + gain
             verify_tokens += made * ki
+            drafting_seqs.append((ki, made))
             n, most = load.get(name, (0, 0))
             load[name] = (n + 1, max(most, ki))
         drafting = max((self.drafter(d).seconds(n, most) for d, (n, most) in load.items()), default=0.0)
-        seconds = self.verify_cost(round(verify_tokens)) + drafting
-        return choice, tokens / seconds if seconds > 0 else tokens
+        if len(drafting_seqs) == 1:
+            # One sequence drafts: its forward has base + k tokens or base, not the mean between
+            # (on a CPU those two can differ by a whole matmul tile, the mean by none).
+            ki, made = drafting_seqs[0]
+            verify = made * self.verify_cost(base_tokens + ki) + (1 - made) * self.verify_cost(base_tokens)
+        else:
+            verify = self.verify_cost(verify_tokens)
+        return choice, tokens, verify + drafting
 
     def _best_drafter(self, sid: int, k: int, subset: list[str | None]) -> tuple[str | None, float, float]:
         """The drafter of subset with the most expected accepted tokens for this sequence -> (name,
@@ -316,9 +375,9 @@ class SpecController:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
-    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> bool:
-        """Let one sequence that is not speculating draft at full k, when the budget allows, with
-        the drafter it has tried least. -> whether one does."""
+    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, k: int) -> bool:
+        """Let one sequence that is not speculating draft k (the k the model would pick before
+        calibration), when the budget allows, with the drafter it has tried least. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
@@ -327,7 +386,7 @@ class SpecController:
         sid = seqs[i][0]
         tried = self.per_seq.get(sid, {})
         name = self.pinned.get(sid) or min(names, key=lambda n: tried[n].made.trials if n in tried else 0.0)
-        k = min(self.max_k, seqs[i][1])
+        k = min(k, seqs[i][1])
         tokens = base_tokens + sum(c[0] for c in choice)
         cost = self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k) - self.verify_cost(tokens)
         if self.explore_credit >= cost:
@@ -337,18 +396,18 @@ class SpecController:
             return True
         return False
 
-    def open_cycle(self, num_seqs: int, tokens: int, start: float, compute_s: float) -> None:
-        """A decode-only step began at `start`, committed `tokens` for num_seqs sequences and
-        computed for compute_s; its cycle ends when the next step begins (close_cycle)."""
-        self._cycle = (num_seqs, self.step_mode, tokens, start, compute_s)
+    def open_cycle(self, num_seqs: int, start: float, compute_s: float) -> None:
+        """A decode-only step of num_seqs sequences began at `start` and computed for compute_s;
+        its cycle ends when the next step begins (close_cycle)."""
+        self._cycle = (num_seqs, self.step_mode, start, compute_s, self._predicted)
 
     def close_cycle(self, now: float) -> None:
         cycle, self._cycle = self._cycle, None
         if cycle is None:
             return
-        num_seqs, mode, tokens, start, compute_s = cycle
+        num_seqs, mode, start, compute_s, predicted = cycle
         if now - start <= 2 * compute_s + 0.05:  # longer: the engine waited for work, not an overhead
-            self.guard.observe(num_seqs, mode, tokens, now - start)
+            self.calibration.observe(num_seqs, mode, now - start, predicted)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)

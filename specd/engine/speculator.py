@@ -205,12 +205,12 @@ class Speculator:
             if n:
                 self.stats_by_drafter[drafter].observe_draft(n, n_acc, cached)
 
-    def end_step(self, batch: list[ScheduledSeq], num_accepted: list[int], start: float, compute_s: float,
+    def end_step(self, batch: list[ScheduledSeq], start: float, compute_s: float,
                  finished: bool) -> None:
         """A step where every sequence decoded (no prefill chunk) and none finished is a cycle the
-        controller's guard compares speculative and plain decoding on."""
+        controller calibrates speculative and plain decoding on."""
         if not finished and batch and all(e.num_logits == e.num_new_tokens for e in batch):
-            self.controller.open_cycle(len(batch), len(batch) + sum(num_accepted), start, compute_s)
+            self.controller.open_cycle(len(batch), start, compute_s)
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)
