@@ -316,7 +316,7 @@ class SpecController:
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
-        if self._explore(choice, fixed, seqs, base_tokens, names, raw_best[0] or self.max_k):
+        if self._explore(choice, fixed, seqs, base_tokens, names):
             self.step_mode = "explore"
         return choice
 
@@ -375,9 +375,10 @@ class SpecController:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
-    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, k: int) -> bool:
-        """Let one sequence that is not speculating draft k (the k the model would pick before
-        calibration), when the budget allows, with the drafter it has tried least. -> whether one does."""
+    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> bool:
+        """Let one sequence that is not speculating draft, when the budget allows, with the drafter
+        it has tried least, and the k that would pay best were the drafter as good as the prior
+        (on a CPU, a k that fills a matmul tile costs a fraction of max_k). -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
@@ -386,9 +387,14 @@ class SpecController:
         sid = seqs[i][0]
         tried = self.per_seq.get(sid, {})
         name = self.pinned.get(sid) or min(names, key=lambda n: tried[n].made.trials if n in tried else 0.0)
-        k = min(k, seqs[i][1])
         tokens = base_tokens + sum(c[0] for c in choice)
-        cost = self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k) - self.verify_cost(tokens)
+
+        def step_s(k: int) -> float:
+            return self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k)
+
+        k = max(range(1, min(self.max_k, seqs[i][1]) + 1),
+                key=lambda k: expected_tokens(PRIOR_ALPHA, k) / max(step_s(k), 1e-9))
+        cost = step_s(k) - self.verify_cost(tokens)
         if self.explore_credit >= cost:
             self.explore_credit = min(self.explore_credit - cost, cost)
             self.explore_seq = sid

@@ -113,19 +113,19 @@ def test_exploration_spends_a_bounded_share_of_verify_time():
     explored, verify_s, spent = [], 0.0, 0.0
     for _ in range(400):
         ks = c.choose(seqs, base_tokens=32)
-        assert sorted(ks) in ([0] * 32, [0] * 31 + [4])  # at most one sequence, at full k
+        assert sorted(ks)[:-1] == [0] * 31  # at most one sequence
         tokens = 32 + sum(ks)
         c.observe_verify(tokens, verify(tokens))
         verify_s += verify(tokens)
         if any(ks):
-            explored.append(ks.index(4))
-            spent += c.drafter().cost(1) * 4 + verify(tokens) - verify(32)
+            explored.append(next(i for i, k in enumerate(ks) if k))
+            spent += c.drafter().cost(1) * max(ks) + verify(tokens) - verify(32)
     assert len(explored) >= 10 and set(explored) == {explored[0]}  # sticky: its drafter state stays warm
     assert spent <= EXPLORE_SHARE * verify_s + spent / len(explored)  # within the budget (+ one)
     # When the exploring sequence leaves the batch another one takes over.
     c.explore_credit = 1.0
     others = [s for s in seqs if s[0] != explored[0]]
-    assert c.choose(others, base_tokens=31)[0] == 4 and c.explore_seq == others[0][0]
+    assert c.choose(others, base_tokens=31)[0] > 0 and c.explore_seq == others[0][0]
     # A sequence whose request fixed k = 0 is never explored.
     c.explore_credit = 1.0
     assert c.choose([(0, 4, 0)], base_tokens=1) == [0]
@@ -221,11 +221,25 @@ def test_a_request_that_named_its_drafter_keeps_it():
     assert name == "model"
 
 
+def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
+    """A 4-row verify tile (AVX2): exploring k = 3 costs one step's rows, k = 8 two tiles."""
+    verify = lambda t: 0.010 * ((t + 3) // 4)  # noqa: E731
+    c = SpecController(8)
+    for t in range(1, 17):
+        for _ in range(MIN_SAMPLES):
+            c.observe_verify(t, verify(t))
+    c.observe_draft(8, 1, 8 * 0.0001)
+    for _ in range(50):
+        c.observe_accept(0, 3, 0)  # nothing accepted: speculation stays off, but is explored
+    c.explore_credit = 1.0
+    assert c.choose([(0, 8, None)], base_tokens=1) == [3]
+
+
 def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
     c = _two_drafters(lambda t: 0.0005 + 0.001 * t, {i: {"model": (0.1, 1.0)} for i in range(8)})
     c.explore_credit = 1.0
     plan = c.plan([(i, 4, None) for i in range(8)], 8, ["model", "suffix"])
-    assert [p for p in plan if p[0]] == [(4, "suffix")]
+    assert [p[1] for p in plan if p[0]] == ["suffix"]
 
 
 def _run(c: SpecController, seqs, now: float, steps: int, cycle) -> tuple[float, int]:

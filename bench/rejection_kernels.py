@@ -1,7 +1,7 @@
 """Rejection sampler: Triton kernel vs the PyTorch reference, and their equality.
 
-    python bench/kernels.py                     # CPU: times the reference only
-    python bench/kernels.py --device cuda       # GPU: both, plus an exact-equality check
+    python bench/rejection_kernels.py                     # CPU: times the reference only
+    python bench/rejection_kernels.py --device cuda       # GPU: both, plus an exact-equality check
 
 Method. A random flattened ragged batch (num_draft uniform in 0..k, greedy and random
 rows mixed, one-hot or sparse top-8 q) with randomness drawn once; each implementation
