@@ -161,6 +161,7 @@ class _Drafter:
 class _SeqDrafter:
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     made: _Acceptance = field(default_factory=_Acceptance)
+    tries: int = 0  # proposals asked of this drafter for this sequence
 
 
 class _Ratio:
@@ -265,6 +266,7 @@ class SpecController:
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last
         self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
         self.explore_seq: int | None = None  # the sequence that explores while it runs
+        self._explore_draft_s = 0.0  # the drafting time this step's exploration was priced at
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
@@ -376,27 +378,34 @@ class SpecController:
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> bool:
-        """Let one sequence that is not speculating draft, when the budget allows, with the drafter
-        it has tried least, and the k that would pay best were the drafter as good as the prior
-        (on a CPU, a k that fills a matmul tile costs a fraction of max_k). -> whether one does."""
+        """Let one sequence that is not speculating draft, when the budget allows, with the k that
+        would pay best were the drafter as good as the prior (on a CPU, a k that fills a matmul
+        tile costs a fraction of max_k), and the drafter with the fewest tries for this sequence
+        weighed by what a try costs: a draft model that must first read a long history costs
+        many suffix lookups, and waiting for it starved the cheap one. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
-            self.explore_credit = 0.0  # nothing to learn: do not save up for a burst later
+            self.explore_credit = min(self.explore_credit, 0.0)  # nothing to learn: no saving up for a burst
             return False
         i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         sid = seqs[i][0]
         tried = self.per_seq.get(sid, {})
-        name = self.pinned.get(sid) or min(names, key=lambda n: tried[n].made.trials if n in tried else 0.0)
         tokens = base_tokens + sum(c[0] for c in choice)
 
-        def step_s(k: int) -> float:
-            return self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k)
+        def option(name) -> tuple[float, int]:
+            """(extra seconds of a try, its k) with this drafter."""
+            def step_s(k: int) -> float:
+                return self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k)
+            k = max(range(1, min(self.max_k, seqs[i][1]) + 1),
+                    key=lambda k: expected_tokens(PRIOR_ALPHA, k) / max(step_s(k), 1e-9))
+            return step_s(k) - self.verify_cost(tokens), k
 
-        k = max(range(1, min(self.max_k, seqs[i][1]) + 1),
-                key=lambda k: expected_tokens(PRIOR_ALPHA, k) / max(step_s(k), 1e-9))
-        cost = step_s(k) - self.verify_cost(tokens)
+        options = {n: option(n) for n in ([self.pinned[sid]] if sid in self.pinned else names)}
+        name = min(options, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
+        cost, k = options[name]
         if self.explore_credit >= cost:
             self.explore_credit = min(self.explore_credit - cost, cost)
+            self._explore_draft_s = self.drafter(name).seconds(1, k)
             self.explore_seq = sid
             choice[i] = (k, name)
             return True
@@ -429,6 +438,11 @@ class SpecController:
         if steps <= 0 or num_seqs <= 0:
             return
         d = self.drafter(name)
+        if self.step_mode == "explore" and num_seqs == 1:
+            # What the model left out of an exploration's price (a drafter new to the sequence
+            # reads its whole history first) is paid from the budget too, so exploring costs at
+            # most its share of verify time (chat at batch 8 lost 3% to explorations priced low).
+            self.explore_credit -= max(0.0, seconds - self._explore_draft_s)
         d.hit_rate = 0.9 * d.hit_rate + 0.1 * cached
         if cached >= 1.0:
             d.hit_wait = seconds if d.hit_wait == 0.0 else 0.9 * d.hit_wait + 0.1 * seconds
@@ -439,6 +453,7 @@ class SpecController:
         """A sequence asked `name` for drafts and got some (made) or none."""
         self.current[seq_id] = name
         mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, _SeqDrafter())
+        mine.tries += 1
         for acc in (mine.made, self.drafter(name).made):
             acc.observe(float(made), 1.0)
 

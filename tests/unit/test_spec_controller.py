@@ -221,6 +221,24 @@ def test_a_request_that_named_its_drafter_keeps_it():
     assert name == "model"
 
 
+def test_exploration_pays_what_it_really_cost_from_its_budget():
+    """A drafter new to a sequence first reads its whole history: an exploration's drafting takes
+    far longer than the model's price. The overrun comes out of the budget too."""
+    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
+    c = _trained(verify, alpha=0.1)
+    seqs = [(i, 4, None) for i in range(32)]
+    verify_s = spent = 0.0
+    for _ in range(400):
+        ks = c.choose(seqs, base_tokens=32)
+        if any(ks):
+            real_draft = 0.005  # the model prices it at 4 x 0.1 ms
+            c.observe_draft(max(ks), 1, real_draft)
+            spent += real_draft + verify(32 + sum(ks)) - verify(32)
+        c.observe_verify(32 + sum(ks), verify(32 + sum(ks)))
+        verify_s += verify(32 + sum(ks))
+    assert 0 < spent <= EXPLORE_SHARE * verify_s + 0.01
+
+
 def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
     """A 4-row verify tile (AVX2): exploring k = 3 costs one step's rows, k = 8 two tiles."""
     verify = lambda t: 0.010 * ((t + 3) // 4)  # noqa: E731
@@ -233,6 +251,21 @@ def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
         c.observe_accept(0, 3, 0)  # nothing accepted: speculation stays off, but is explored
     c.explore_credit = 1.0
     assert c.choose([(0, 8, None)], base_tokens=1) == [3]
+
+
+def test_exploration_weighs_tries_by_what_they_cost():
+    """A drafter whose try costs several times another's is explored about once for that many
+    tries of the cheap one, not first and every other time (waiting for its budget starved the
+    cheap drafter)."""
+    c = _two_drafters(lambda t: 0.0005 + 0.001 * t, {0: {"model": (0.1, 1.0), "suffix": (0.1, 1.0)}},
+                      model_step_s=0.001)  # a try: ~1 ms a draft step against ~0.1 ms
+    picked = []
+    for _ in range(40):  # a new sequence, 5
+        c.explore_credit = 1.0
+        plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
+        picked += [name for k, name in plan if k]
+        c.observe_proposal(5, picked[-1], True)
+    assert picked[0] == "suffix" and 1 <= picked.count("model") <= len(picked) // 3, picked
 
 
 def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
