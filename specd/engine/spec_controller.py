@@ -31,6 +31,7 @@ speculation, so a predicted gain of a few percent is a loss in practice.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
@@ -264,14 +265,22 @@ class SpecController:
         self.drafters: dict[str | None, _Drafter] = {}  # None: the one proposer of an engine
         self.per_seq: dict[int, dict[str | None, _SeqDrafter]] = {}
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last
-        self.explore_credit = 0.0  # seconds of verify time not yet spent on exploring
+        # Seconds of verify time not yet spent on exploring, per drafter (each earns an equal share
+        # of the budget: one whose tries run long cannot starve the others).
+        self.explore_credit: defaultdict[str | None, float] = defaultdict(float)
+        self._explore_names: list[str | None] = [None]  # the drafters of the last plan
         self.explore_seq: int | None = None  # the sequence that explores while it runs
-        self._explore_draft_s = 0.0  # the drafting time this step's exploration was priced at
+        self._explore_name: str | None = None  # the drafter this step's exploration asks
+        self._explore_draft_s = 0.0  # the drafting time it was priced at
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
+
+    def grant_exploration(self, seconds: float) -> None:
+        """Set every drafter's exploration budget (tests: a controller starts with none)."""
+        self.explore_credit = defaultdict(lambda: seconds)
 
     def drafter(self, name: str | None = None) -> _Drafter:
         return self.drafters.setdefault(name, _Drafter())
@@ -291,6 +300,7 @@ class SpecController:
         pinned: sequences whose request named its drafter.
         """
         names = list(drafters) if drafters else [None]
+        self._explore_names = names
         self.pinned = pinned or {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
@@ -385,7 +395,8 @@ class SpecController:
         many suffix lookups, and waiting for it starved the cheap one. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
-            self.explore_credit = min(self.explore_credit, 0.0)  # nothing to learn: no saving up for a burst
+            for n in self.explore_credit:  # nothing to learn: no saving up for a burst
+                self.explore_credit[n] = min(self.explore_credit[n], 0.0)
             return False
         i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         sid = seqs[i][0]
@@ -401,10 +412,12 @@ class SpecController:
             return step_s(k) - self.verify_cost(tokens), k
 
         options = {n: option(n) for n in ([self.pinned[sid]] if sid in self.pinned else names)}
-        name = min(options, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
-        cost, k = options[name]
-        if self.explore_credit >= cost:
-            self.explore_credit = min(self.explore_credit - cost, cost)
+        affordable = [n for n, (cost, _) in options.items() if self.explore_credit[n] >= cost]
+        if affordable:
+            name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
+            cost, k = options[name]
+            self.explore_credit[name] = min(self.explore_credit[name] - cost, cost)
+            self._explore_name = name
             self._explore_draft_s = self.drafter(name).seconds(1, k)
             self.explore_seq = sid
             choice[i] = (k, name)
@@ -426,7 +439,8 @@ class SpecController:
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)
-        self.explore_credit += EXPLORE_SHARE * seconds
+        for name in self._explore_names:
+            self.explore_credit[name] += EXPLORE_SHARE * seconds / len(self._explore_names)
 
     def draft_seconds(self, num_seqs: int, k: int, name: str | None = None) -> float:
         return self.drafter(name).seconds(num_seqs, k)
@@ -438,11 +452,11 @@ class SpecController:
         if steps <= 0 or num_seqs <= 0:
             return
         d = self.drafter(name)
-        if self.step_mode == "explore" and num_seqs == 1:
+        if self.step_mode == "explore" and num_seqs == 1 and name == self._explore_name:
             # What the model left out of an exploration's price (a drafter new to the sequence
             # reads its whole history first) is paid from the budget too, so exploring costs at
             # most its share of verify time (chat at batch 8 lost 3% to explorations priced low).
-            self.explore_credit -= max(0.0, seconds - self._explore_draft_s)
+            self.explore_credit[name] -= max(0.0, seconds - self._explore_draft_s)
         d.hit_rate = 0.9 * d.hit_rate + 0.1 * cached
         if cached >= 1.0:
             d.hit_wait = seconds if d.hit_wait == 0.0 else 0.9 * d.hit_wait + 0.1 * seconds

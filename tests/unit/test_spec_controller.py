@@ -20,7 +20,7 @@ def _trained(verify, alpha: float, max_k: int = 4, seqs=range(32)) -> SpecContro
             while accepted < 4 and (hash((sid, _, accepted)) % 1000) / 1000 < alpha:
                 accepted += 1
             c.observe_accept(sid, 4, accepted)
-    c.explore_credit = 0.0  # no exploration unless a test grants the budget
+    c.grant_exploration(0.0)  # no exploration unless a test grants the budget
     return c
 
 
@@ -108,7 +108,7 @@ def test_untrained_uses_full_k():
 def test_exploration_spends_a_bounded_share_of_verify_time():
     verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
     c = _trained(verify, alpha=0.1)
-    c.explore_credit = 0.0
+    c.grant_exploration(0.0)
     seqs = [(i, 4, None) for i in range(32)]
     explored, verify_s, spent = [], 0.0, 0.0
     for _ in range(400):
@@ -123,11 +123,11 @@ def test_exploration_spends_a_bounded_share_of_verify_time():
     assert len(explored) >= 10 and set(explored) == {explored[0]}  # sticky: its drafter state stays warm
     assert spent <= EXPLORE_SHARE * verify_s + spent / len(explored)  # within the budget (+ one)
     # When the exploring sequence leaves the batch another one takes over.
-    c.explore_credit = 1.0
+    c.grant_exploration(1.0)
     others = [s for s in seqs if s[0] != explored[0]]
     assert c.choose(others, base_tokens=31)[0] > 0 and c.explore_seq == others[0][0]
     # A sequence whose request fixed k = 0 is never explored.
-    c.explore_credit = 1.0
+    c.grant_exploration(1.0)
     assert c.choose([(0, 4, 0)], base_tokens=1) == [0]
 
 
@@ -178,7 +178,7 @@ def _two_drafters(verify, seqs: dict, model_step_s: float = 0.003, suffix_call_s
                         accepted += 1
                     c.observe_accept(sid, 4, accepted, name)
     c.current.clear()
-    c.explore_credit = 0.0
+    c.grant_exploration(0.0)
     return c
 
 
@@ -249,7 +249,7 @@ def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
     c.observe_draft(8, 1, 8 * 0.0001)
     for _ in range(50):
         c.observe_accept(0, 3, 0)  # nothing accepted: speculation stays off, but is explored
-    c.explore_credit = 1.0
+    c.grant_exploration(1.0)
     assert c.choose([(0, 8, None)], base_tokens=1) == [3]
 
 
@@ -261,16 +261,34 @@ def test_exploration_weighs_tries_by_what_they_cost():
                       model_step_s=0.001)  # a try: ~1 ms a draft step against ~0.1 ms
     picked = []
     for _ in range(40):  # a new sequence, 5
-        c.explore_credit = 1.0
+        c.grant_exploration(1.0)
         plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
         picked += [name for k, name in plan if k]
         c.observe_proposal(5, picked[-1], True)
     assert picked[0] == "suffix" and 1 <= picked.count("model") <= len(picked) // 3, picked
 
 
+def test_one_drafters_long_tries_do_not_starve_the_others_exploration():
+    """Each drafter earns its share of the budget: a draft model's try that ran a second over its
+    price (a long history read first) leaves it in debt, not the suffix index."""
+    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731
+    c = _two_drafters(verify, {0: {"model": (0.1, 1.0), "suffix": (0.1, 1.0)}})
+    c.grant_exploration(0.0)
+    c.explore_credit["model"] = 1.0
+    plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
+    assert [name for k, name in plan if k] == ["model"]
+    c.observe_draft(max(k for k, _ in plan), 1, 1.0, name="model")  # a second, priced at milliseconds
+    picked = []
+    for _ in range(400):
+        plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
+        picked += [name for k, name in plan if k]
+        c.observe_verify(1 + sum(k for k, _ in plan), 0.010)
+    assert picked and set(picked) == {"suffix"}
+
+
 def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
     c = _two_drafters(lambda t: 0.0005 + 0.001 * t, {i: {"model": (0.1, 1.0)} for i in range(8)})
-    c.explore_credit = 1.0
+    c.grant_exploration(1.0)
     plan = c.plan([(i, 4, None) for i in range(8)], 8, ["model", "suffix"])
     assert [p[1] for p in plan if p[0]] == ["suffix"]
 
