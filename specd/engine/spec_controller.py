@@ -266,12 +266,10 @@ class SpecController:
         self.per_seq: dict[int, dict[str | None, _SeqDrafter]] = {}
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last
         # Seconds of verify time not yet spent on exploring, per drafter (each earns an equal share
-        # of the budget: one whose tries run long cannot starve the others).
+        # of the budget: one whose tries cost much cannot starve the others).
         self.explore_credit: defaultdict[str | None, float] = defaultdict(float)
         self._explore_names: list[str | None] = [None]  # the drafters of the last plan
         self.explore_seq: int | None = None  # the sequence that explores while it runs
-        self._explore_name: str | None = None  # the drafter this step's exploration asks
-        self._explore_draft_s = 0.0  # the drafting time it was priced at
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
@@ -395,8 +393,7 @@ class SpecController:
         many suffix lookups, and waiting for it starved the cheap one. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
-            for n in self.explore_credit:  # nothing to learn: no saving up for a burst
-                self.explore_credit[n] = min(self.explore_credit[n], 0.0)
+            self.explore_credit.clear()  # nothing to learn: no saving up for a burst
             return False
         i = next((j for j in idle if seqs[j][0] == self.explore_seq), idle[0])
         sid = seqs[i][0]
@@ -417,8 +414,6 @@ class SpecController:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
             cost, k = options[name]
             self.explore_credit[name] = min(self.explore_credit[name] - cost, cost)
-            self._explore_name = name
-            self._explore_draft_s = self.drafter(name).seconds(1, k)
             self.explore_seq = sid
             choice[i] = (k, name)
             return True
@@ -452,11 +447,6 @@ class SpecController:
         if steps <= 0 or num_seqs <= 0:
             return
         d = self.drafter(name)
-        if self.step_mode == "explore" and num_seqs == 1 and name == self._explore_name:
-            # What the model left out of an exploration's price (a drafter new to the sequence
-            # reads its whole history first) is paid from the budget too, so exploring costs at
-            # most its share of verify time (chat at batch 8 lost 3% to explorations priced low).
-            self.explore_credit[name] -= max(0.0, seconds - self._explore_draft_s)
         d.hit_rate = 0.9 * d.hit_rate + 0.1 * cached
         if cached >= 1.0:
             d.hit_wait = seconds if d.hit_wait == 0.0 else 0.9 * d.hit_wait + 0.1 * seconds

@@ -221,24 +221,6 @@ def test_a_request_that_named_its_drafter_keeps_it():
     assert name == "model"
 
 
-def test_exploration_pays_what_it_really_cost_from_its_budget():
-    """A drafter new to a sequence first reads its whole history: an exploration's drafting takes
-    far longer than the model's price. The overrun comes out of the budget too."""
-    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
-    c = _trained(verify, alpha=0.1)
-    seqs = [(i, 4, None) for i in range(32)]
-    verify_s = spent = 0.0
-    for _ in range(400):
-        ks = c.choose(seqs, base_tokens=32)
-        if any(ks):
-            real_draft = 0.005  # the model prices it at 4 x 0.1 ms
-            c.observe_draft(max(ks), 1, real_draft)
-            spent += real_draft + verify(32 + sum(ks)) - verify(32)
-        c.observe_verify(32 + sum(ks), verify(32 + sum(ks)))
-        verify_s += verify(32 + sum(ks))
-    assert 0 < spent <= EXPLORE_SHARE * verify_s + 0.01
-
-
 def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
     """A 4-row verify tile (AVX2): exploring k = 3 costs one step's rows, k = 8 two tiles."""
     verify = lambda t: 0.010 * ((t + 3) // 4)  # noqa: E731
@@ -268,22 +250,18 @@ def test_exploration_weighs_tries_by_what_they_cost():
     assert picked[0] == "suffix" and 1 <= picked.count("model") <= len(picked) // 3, picked
 
 
-def test_one_drafters_long_tries_do_not_starve_the_others_exploration():
-    """Each drafter earns its share of the budget: a draft model's try that ran a second over its
-    price (a long history read first) leaves it in debt, not the suffix index."""
+def test_a_dear_drafter_does_not_starve_the_others_exploration():
+    """Each drafter earns its share of the budget: while a draft model's try (priced ~100 ms) is
+    saved up for, the suffix index (a few ms a try) goes on being explored."""
     verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731
-    c = _two_drafters(verify, {0: {"model": (0.1, 1.0), "suffix": (0.1, 1.0)}})
+    c = _two_drafters(verify, {0: {"model": (0.1, 1.0), "suffix": (0.1, 1.0)}}, model_step_s=0.025)
     c.grant_exploration(0.0)
-    c.explore_credit["model"] = 1.0
-    plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
-    assert [name for k, name in plan if k] == ["model"]
-    c.observe_draft(max(k for k, _ in plan), 1, 1.0, name="model")  # a second, priced at milliseconds
     picked = []
     for _ in range(400):
         plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
         picked += [name for k, name in plan if k]
         c.observe_verify(1 + sum(k for k, _ in plan), 0.010)
-    assert picked and set(picked) == {"suffix"}
+    assert len(picked) >= 5 and set(picked) == {"suffix"}
 
 
 def test_exploration_tries_the_drafter_a_sequence_has_tried_least():
