@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec_controller import (EXPLORE_SHARE, MIN_SAMPLES, LinearCost, RealizedCalibration, SpecController,
-                                          VerifyCost, expected_tokens)
+from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, SpecController, expected_tokens
+from specd.engine.spec_costs import LinearCost, RealizedCalibration, VerifyCost
 from specd.engine.spec_stats import SpecStats
 
 

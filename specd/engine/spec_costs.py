@@ -1,0 +1,163 @@
+"""What speculative steps cost, measured online (the speculation controller's inputs): verify
+time by tokens in the forward (VerifyCost, over LinearCost), and how long decode cycles really
+took against what the controller predicted (RealizedCalibration: its never-slower rule)."""
+from __future__ import annotations
+
+
+class LinearCost:
+    """Exponentially weighted least squares fit of seconds = a + b * tokens."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay, self.n = decay, 0
+        self.s1 = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        g = self.decay
+        self.s1, self.sx, self.sy = g * self.s1 + 1, g * self.sx + tokens, g * self.sy + seconds
+        self.sxx, self.sxy = g * self.sxx + tokens * tokens, g * self.sxy + tokens * seconds
+        self.n += 1
+
+    def __call__(self, tokens: int) -> float:
+        if self.s1 == 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.s1, self.sy / self.s1
+        var = self.sxx / self.s1 - mean_x**2
+        slope = max((self.sxy / self.s1 - mean_x * mean_y) / var, 0.0) if var > 1e-9 else 0.0
+        return max(mean_y + slope * (tokens - mean_x), 0.0)
+
+
+class VerifyCost:
+    """Seconds of a verify forward by its token count T: the median of the last few steps of
+    each T up to TABLE_MAX, the line (LinearCost) beyond. A small T not measured yet is priced
+    at the dearest smaller T measured, the least it can cost (a forward never gets cheaper with
+    more tokens), so the controller tries it once and then knows its price (a k that fills a
+    tile for free is found, not assumed away by the line)."""
+
+    TABLE_MAX = 16
+    KEEP = 5
+
+    def __init__(self) -> None:
+        self.line = LinearCost()
+        self.table: dict[int, list[float]] = {}
+
+    @property
+    def n(self) -> int:
+        return self.line.n
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.line.observe(tokens, seconds)
+        if tokens <= self.TABLE_MAX:
+            recent = self.table.setdefault(tokens, [])
+            recent.append(seconds)
+            del recent[:-self.KEEP]
+
+    def measured(self, tokens: int) -> float | None:
+        recent = self.table.get(tokens)
+        return sorted(recent)[len(recent) // 2] if recent else None
+
+    def __call__(self, tokens: float) -> float:
+        """Fractional counts (drafters that draft for a share of proposals) interpolate between
+        the whole counts around them: rounding 1 + 0.87 * 4 down to 4 tokens priced a 5-token
+        forward as a 4-token one."""
+        low = int(tokens)
+        if tokens > low:
+            return self._whole(low) + (tokens - low) * (self._whole(low + 1) - self._whole(low))
+        return self._whole(low)
+
+    def _whole(self, tokens: int) -> float:
+        if tokens > self.TABLE_MAX:
+            return self.line(tokens)
+        here = self.measured(tokens)
+        if here is not None:
+            return here
+        below = [self.measured(t) for t in self.table if t < tokens]
+        return min(max(below), self.line(tokens)) if below else self.line(tokens)
+
+
+class _Ratio:
+    """Realized over predicted, as decayed sums (recent cycles count most), over n cycles. The
+    first cycle comes with PRIOR cycles of 'as predicted', so one unlucky cycle cannot condemn a mode."""
+
+    PRIOR = 4
+
+    def __init__(self) -> None:
+        self.real = self.predicted = 0.0
+        self.n = 0
+
+    def observe(self, real: float, predicted: float, decay: float) -> None:
+        if self.predicted == 0.0:
+            self.real = self.predicted = self.PRIOR * predicted
+        self.real, self.predicted = decay * self.real + real, decay * self.predicted + predicted
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        return self.real / self.predicted if self.predicted > 0 else 1.0
+
+
+class RealizedCalibration:
+    """Never slower, whatever the cost model believes: per decoding batch size (in powers of two)
+    and mode (plain or spec), how long decode cycles really took over what the model predicted
+    for them, from one step's start to the next, so the drafter's round trip, the cores it takes
+    from the verifier and the service's own work per step all count. The controller divides each
+    option's predicted time by its mode's ratio before it picks, so speculation that ran slower
+    than plain decoding stops being picked. Time only, not tokens: tokens follow the text (a
+    passage that stops repeating), which the acceptance estimates follow per sequence; a ratio of
+    tokens lags them and, once it has turned speculation off, nothing would correct it. The side
+    not in use is probed (PROBE_CYCLES cycles after PROBE_AFTER of the other) so both stay
+    measured, and a probe's cycles outweigh the history before them (a probe refreshes)."""
+
+    DECAY = 0.9
+    # Cycles of the mode in use before the other is probed: speculation every 64 plain cycles (it
+    # may have come to pay), plain decoding every 256 speculative ones (its cost moves little).
+    PROBE_AFTER = {"plain": 64, "spec": 256}
+    PROBE_CYCLES = 4
+
+    def __init__(self) -> None:
+        self.cal: dict[tuple[int, str], _Ratio] = {}  # (batch bucket, mode) -> cycle seconds ratio
+        self.since_probe: dict[int, int] = {}
+        self.probing: dict[int, tuple[str, int]] = {}  # bucket -> (mode probed, cycles left)
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return 1 << max(0, num_seqs - 1).bit_length()
+
+    def get(self, num_seqs: int, mode: str) -> _Ratio:
+        return self.cal.setdefault((self.bucket(num_seqs), mode), _Ratio())
+
+    def scale(self, num_seqs: int, mode: str) -> float:
+        """Predicted over realized time for this mode (1 until it has been measured)."""
+        c = self.get(num_seqs, mode)
+        return 1.0 / c.value if c.n else 1.0
+
+    def mode(self, num_seqs: int, wanted: str, spec_may_pay: bool = True) -> str:
+        """The mode to run this cycle: the one the calibrated model wants, or the other on a probe
+        (also while the other has never been measured). Speculation is probed only where the
+        model before calibration wants it (spec_may_pay): where it predicts a loss anyway, a
+        probe would only cost."""
+        b = self.bucket(num_seqs)
+        other = "plain" if wanted == "spec" else "spec"
+        if other == "spec" and not spec_may_pay:
+            self.probing.pop(b, None)
+            return wanted
+        if b in self.probing:
+            probed, left = self.probing.pop(b)
+            if left > 1:
+                self.probing[b] = (probed, left - 1)
+            return probed
+        if self.get(num_seqs, wanted).n < self.PROBE_CYCLES:
+            return wanted  # first measure what the model wants, then what it would leave
+        self.since_probe[b] = self.since_probe.get(b, 0) + 1
+        if self.since_probe[b] >= self.PROBE_AFTER[wanted] or self.get(num_seqs, other).n == 0:
+            self.since_probe[b] = 0
+            if self.PROBE_CYCLES > 1:
+                self.probing[b] = (other, self.PROBE_CYCLES - 1)
+            c = self.get(num_seqs, other)
+            # A probe's cycles outweigh the history before it: the other mode's cost may have moved.
+            c.real, c.predicted = c.real * 0.3, c.predicted * 0.3
+            return other
+        return wanted
+
+    def observe(self, num_seqs: int, mode: str, seconds: float, predicted_seconds: float) -> None:
+        if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
+            self.get(num_seqs, mode).observe(seconds, predicted_seconds, self.DECAY)
