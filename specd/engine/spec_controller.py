@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from specd.engine.spec_costs import LinearCost, RealizedCalibration, VerifyCost
+from specd.engine.spec_costs import DraftCost, RealizedCalibration, VerifyCost
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
@@ -77,7 +77,7 @@ class _Acceptance:
 class _Drafter:
     """What the controller knows of one drafter: its cost, and its acceptance over all sequences."""
 
-    cost: LinearCost = field(default_factory=lambda: LinearCost(decay=0.9))  # s per draft step vs seqs
+    cost: DraftCost = field(default_factory=DraftCost)  # s per draft step vs seqs
     hit_rate: float = 0.0  # pipelined drafters: share of proposals from the draft cache (EWMA)
     hit_wait: float = 0.0  # seconds a propose call waits when its proposals were drafted ahead (EWMA)
     acceptance: _Acceptance = field(default_factory=_Acceptance)

@@ -1,6 +1,7 @@
 """What speculative steps cost, measured online (the speculation controller's inputs): verify
-time by tokens in the forward (VerifyCost, over LinearCost), and how long decode cycles really
-took against what the controller predicted (RealizedCalibration: its never-slower rule)."""
+time by tokens in the forward (VerifyCost), a drafter's time per draft step by batch size
+(DraftCost), and how long decode cycles really took against what the controller predicted
+(RealizedCalibration: its never-slower rule)."""
 from __future__ import annotations
 
 
@@ -26,6 +27,44 @@ class LinearCost:
         return max(mean_y + slope * (tokens - mean_x), 0.0)
 
 
+class _Recent:
+    """The last KEEP observations of one cost, read as their median (a one-off, e.g. a drafter
+    reading a whole history on first contact, moves it not at all)."""
+
+    KEEP = 5
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        self.values.append(seconds)
+        del self.values[:-self.KEEP]
+
+    def median(self) -> float:
+        return sorted(self.values)[len(self.values) // 2]
+
+
+class DraftCost:
+    """Seconds per draft step by the number of sequences drafted for: per batch size (in powers of
+    two, as RealizedCalibration buckets them) the median of that size's recent calls, and for a
+    size not seen yet the line through all calls. The line alone kept a drafter's round trip under
+    32 streams for the batch-1 requests after them: with every recent call at 32 sequences the
+    line is flat, nothing at batch 1 drafted to correct it, and exploring there was priced as
+    dear as at 32."""
+
+    def __init__(self) -> None:
+        self.line = LinearCost(decay=0.9)
+        self.by_bucket: dict[int, _Recent] = {}
+
+    def observe(self, num_seqs: int, seconds: float) -> None:
+        self.line.observe(num_seqs, seconds)
+        self.by_bucket.setdefault(RealizedCalibration.bucket(num_seqs), _Recent()).observe(seconds)
+
+    def __call__(self, num_seqs: int) -> float:
+        own = self.by_bucket.get(RealizedCalibration.bucket(num_seqs))
+        return own.median() if own is not None else self.line(num_seqs)
+
+
 class VerifyCost:
     """Seconds of a verify forward by its token count T: the median of the last few steps of
     each T up to TABLE_MAX, the line (LinearCost) beyond. A small T not measured yet is priced
@@ -34,11 +73,10 @@ class VerifyCost:
     tile for free is found, not assumed away by the line)."""
 
     TABLE_MAX = 16
-    KEEP = 5
 
     def __init__(self) -> None:
         self.line = LinearCost()
-        self.table: dict[int, list[float]] = {}
+        self.table: dict[int, _Recent] = {}
 
     @property
     def n(self) -> int:
@@ -47,13 +85,11 @@ class VerifyCost:
     def observe(self, tokens: int, seconds: float) -> None:
         self.line.observe(tokens, seconds)
         if tokens <= self.TABLE_MAX:
-            recent = self.table.setdefault(tokens, [])
-            recent.append(seconds)
-            del recent[:-self.KEEP]
+            self.table.setdefault(tokens, _Recent()).observe(seconds)
 
     def measured(self, tokens: int) -> float | None:
         recent = self.table.get(tokens)
-        return sorted(recent)[len(recent) // 2] if recent else None
+        return recent.median() if recent is not None else None
 
     def __call__(self, tokens: float) -> float:
         """Fractional counts (drafters that draft for a share of proposals) interpolate between

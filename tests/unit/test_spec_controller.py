@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, SpecController, expected_tokens
-from specd.engine.spec_costs import LinearCost, RealizedCalibration, VerifyCost
+from specd.engine.spec_costs import DraftCost, LinearCost, RealizedCalibration, VerifyCost
 from specd.engine.spec_stats import SpecStats
 
 
@@ -29,6 +29,18 @@ def test_linear_cost_recovers_a_line():
     for t in range(1, 50):
         cost.observe(t, 0.002 + 0.0005 * t)
     assert abs(cost(100) - (0.002 + 0.05)) < 1e-6
+
+
+def test_draft_cost_keeps_batch_sizes_apart():
+    cost = DraftCost()
+    for _ in range(5):
+        cost.observe(1, 0.004)
+    cost.observe(1, 0.150)  # a first read of a long history: one call, not the price
+    for _ in range(40):
+        cost.observe(32, 0.040)  # a long stretch under 32 streams...
+    assert cost(1) == 0.004  # ...leaves batch 1's own price alone (a single line went flat at 0.040)
+    assert cost(30) == 0.040
+    assert abs(cost(8) - cost.line(8)) < 1e-12  # a size not seen yet: the line through all calls
 
 
 def test_verify_cost_keeps_small_token_counts_apart_and_prices_new_ones_at_least():
