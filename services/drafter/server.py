@@ -166,7 +166,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         out.proposals.add(seq_id=entry.seq_id, resync=i in unknown)
                         continue
                     msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync,
-                                            cached=p.cached, parents=p.parents or [])
+                                            history_held=p.history_held, cached=p.cached, parents=p.parents or [])
                     for ids, probs in zip(p.q_ids or [], p.q_probs or []):
                         msg.q.add(ids=ids, probs=probs)
                 num_drafts = sum(len(p.token_ids) for p in proposals)
@@ -202,7 +202,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                               num_tokens=e.num_tokens, k=min(e.k, self.limits.max_k), full_history=e.full_history,
                               temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
                               num_prompt_tokens=e.num_prompt_tokens or None, features=features,
-                              structured_outputs=e.structured_outputs or None)
+                              structured_outputs=e.structured_outputs or None,
+                              features_from=e.features_from if e.full_history else 0)
 
     def _features(self, e: drafter_pb2.ProposeEntry):
         """The entry's hidden states (None when this drafter takes none), or False when they are

@@ -232,6 +232,7 @@ class DrafterPool:
         budget = MAX_FEATURE_BYTES // max(1, len(requests))
         pieces = [wire_pieces(r, client.feature_layers, budget) for r in requests]
         feature_bytes = 0
+        held: dict[int, int] = {}  # a lead piece answered resync: the pairs the drafter holds
         try:
             # A long history whose features exceed its share goes first, in k = 0 pieces.
             for depth in range(max(len(p) for p in pieces) - 1):
@@ -239,7 +240,9 @@ class DrafterPool:
                 for p in pieces:
                     if depth < len(p) - 1:
                         feature_bytes += _add_entry(lead, p[depth], 0)
-                await client.round_trip(lead)
+                for p in (await client.round_trip(lead)).proposals:
+                    if p.resync and p.history_held:
+                        held.setdefault(p.seq_id, p.history_held)
             for p in pieces:
                 feature_bytes += _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
             if self.metrics is not None and feature_bytes:
@@ -252,7 +255,11 @@ class DrafterPool:
                 client.mark_broken(e)
             # The drafter may or may not have applied these deltas: resend the full history.
             return [Proposal(seq_id=r.seq_id, token_ids=[], resync=True) for r in requests]
-        return self._checked(client, requests, reply)
+        out = self._checked(client, requests, reply)
+        for p in out:
+            if p.resync and not p.history_held:
+                p.history_held = held.get(p.seq_id, 0)
+        return out
 
     def _checked(self, client: DrafterClient, requests: list[ProposeRequest], reply) -> list[Proposal]:
         """The reply within the protocol's bounds (_in_bounds), looked at through len() before
@@ -273,7 +280,8 @@ class DrafterPool:
                                 q_ids=[list(d.ids) for d in p.q] if use_q else None,
                                 q_probs=[list(d.probs) for d in p.q] if use_q else None,
                                 parents=list(p.parents) if tree else None,
-                                resync=p.resync, drafter=client.name, cached=p.cached))
+                                resync=p.resync, history_held=p.history_held, drafter=client.name,
+                                cached=p.cached))
         if violations:
             client.violations += violations
             log.warning("drafter %s: %d proposal(s) out of bounds dropped", client.name, violations)
@@ -284,7 +292,8 @@ def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> in
     """Add r to the batch; the bytes of target features it carries."""
     entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
                               full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
-                              temperature=r.temperature, structured_outputs=r.structured_outputs or "")
+                              temperature=r.temperature, structured_outputs=r.structured_outputs or "",
+                              features_from=r.features_from if r.full_history else 0)
     if r.seed is not None:
         entry.seed = r.seed
     if r.features is None:
@@ -296,8 +305,9 @@ def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> in
 def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | None = None) -> list[ProposeRequest]:
     """req as a drafter wanting `layers` gets it: only those feature columns (none for a
     token-only drafter), split into pieces of at most max_bytes (MAX_FEATURE_BYTES) of features.
-    Row j of req.features is the state that predicted token `first + j` (first = 1 for a full
-    history, else the first new token), so pieces cut the tokens and the rows at the same place."""
+    Row j of req.features is the state that predicted token `first + j` (first = features_from + 1
+    for a full history, else the first new token), so pieces cut the tokens and the rows at the
+    same place."""
     if not layers or req.features is None:
         return [replace(req, features=None, feature_layers=())]
     rows = req.features
@@ -307,7 +317,7 @@ def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | N
         rows = rows.view(rows.shape[0], len(req.feature_layers), hidden)[:, cols].reshape(rows.shape[0], -1)
     max_rows = max(1, (max_bytes or MAX_FEATURE_BYTES) // (rows.shape[1] * rows.element_size()))
     start = req.num_tokens - len(req.new_tokens)  # position of new_tokens[0]
-    first = start + 1 if req.full_history else start  # token predicted by row 0
+    first = req.features_from + 1 if req.full_history else start  # token predicted by row 0
     out, tok, row = [], start, 0
     while True:
         end_row = min(row + max_rows, rows.shape[0])
@@ -315,6 +325,7 @@ def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | N
         last = end_row == rows.shape[0]
         out.append(replace(req, new_tokens=req.new_tokens[tok - start: (req.num_tokens if last else end_tok) - start],
                            num_tokens=req.num_tokens if last else end_tok, full_history=req.full_history and not out,
+                           features_from=req.features_from if req.full_history and not out else 0,
                            features=rows[row:end_row], feature_layers=tuple(layers)))
         if last:
             return out

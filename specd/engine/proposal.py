@@ -15,7 +15,10 @@ state, the LM head's input). EAGLE, Medusa and MLP speculators use (L,); EAGLE-3
 (2, L // 2, L - 3). Row i of ProposeRequest.features is the target's state at the position
 before new_tokens[i], the state that predicted it, with the requested layers concatenated
 in order. The first token of a history has no predicting state, so a full history has one
-row fewer than tokens; after that, one row per new token.
+row fewer than tokens; after that, one row per new token. A full history may carry fewer rows
+(features_from): the head keeps its state over a prefix it has seen (its prefix cache) and
+needs rows only past it; one that lacks them answers resync with history_held, and the next
+full history's rows start there.
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ class ProposeRequest:
     # With full histories of a constrained request: its StructuredOutput as JSON, so a model
     # drafter can mask its own drafts (specd/proposers/draft_grammar.py).
     structured_outputs: str | None = None
+    # A full history's feature rows start at the pair that predicted token features_from + 1 (0: all
+    # rows); a head holds the pairs before it in its prefix cache, or answers resync, history_held.
+    features_from: int = 0
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Proposal:
     # q per node where sampled; None: a chain (parents -1, 0, 1, ...).
     parents: list[int] | None = None
     resync: bool = False
+    history_held: int = 0  # with resync after a late features_from: leading pairs the head holds
     drafter: str | None = None  # set by the verifier's drafter pool: which service answered
     cached: bool = False  # pipelined drafting: drafted ahead, taken from the draft cache
     # Asked for with ProposeRequest.alternatives (chains only), never sent over the wire:

@@ -41,6 +41,7 @@ class Sequence:
         self.stop_checker: Any = None  # specd.detokenizer.StopChecker when params.stop is set
         self.spec_stats = SpecStats()
         self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
+        self.spec_features_from: int | None = None  # a full history's first feature row, once a head said
         self.features: Any = None  # specd.engine.features.FeatureRows when a drafter wants hidden states
         # llguidance's matcher when params.structured_outputs is set: the grammar state after the
         # committed output tokens (specd/engine/grammar.py).

@@ -69,10 +69,11 @@ class Speculator:
             # A drafter new to this sequence reads its whole history first.
             full = seq.spec_sent == 0 or drafter != self.controller.current.get(seq.seq_id, drafter)
             length = len(seq)
-            features = None
+            features, features_from = None, 0
             if layers:
+                features_from = _features_from(seq, length) if full else 0
                 # The state that predicted each new token (position before it); none for token 0.
-                features = self._features(seq, layers, 0 if full else seq.spec_sent - 1, length - 1)
+                features = self._features(seq, layers, features_from if full else seq.spec_sent - 1, length - 1)
                 if features is None:
                     continue
             new_tokens = seq.token_slice(0 if full else seq.spec_sent, length)
@@ -80,9 +81,10 @@ class Speculator:
                                            num_prompt_tokens=len(seq.prompt_token_ids),
                                            temperature=seq.params.temperature, seed=seq.params.seed,
                                            features=features, feature_layers=layers, drafter=drafter,
-                                           structured_outputs=_structured(seq) if full else None))
+                                           structured_outputs=_structured(seq) if full else None,
+                                           features_from=features_from))
             entries.append(e)
-            seq.spec_sent = length
+            seq.spec_sent, seq.spec_features_from = length, None
         if not requests:
             return {}
         t0 = time.perf_counter()
@@ -94,6 +96,9 @@ class Speculator:
             p = by_id.get(e.seq.seq_id)
             if p is None or p.resync:
                 e.seq.spec_sent = 0  # resend the full history next time
+                # its rows from where the head's prefix cache ends, if it said so (else all of them)
+                held = p.history_held if p is not None else 0
+                e.seq.spec_features_from = held if held < req.features_from else 0
                 continue
             drafts, q, parents = self._validated(p, req.k)
             if drafts:
@@ -223,6 +228,19 @@ def _depth(parents: list[int]) -> int:
     for p in parents:
         depth.append(1 if p < 0 else depth[p] + 1)
     return max(depth, default=0)
+
+
+def _features_from(seq: Sequence, length: int) -> int:
+    """Where a full history's feature rows start (ProposeRequest.features_from). After a resync,
+    where the head said its prefix cache ends; else where this request's prefix hit in the
+    verifier's cache ends, as the head can hold it: a head keeps 16-pair blocks, pair p reads
+    token p + 1, so of c tokens shared with an earlier history it holds 16 * ((c - 1) // 16)
+    pairs. One pair at least is always sent (the head's output at the last pair)."""
+    if seq.spec_features_from is not None:
+        start = seq.spec_features_from
+    else:
+        start = 16 * ((seq.num_cached_tokens - 1) // 16) if seq.num_cached_tokens else 0
+    return max(0, min(start, length - 2))
 
 
 def _structured(seq) -> str | None:

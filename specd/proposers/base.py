@@ -12,7 +12,9 @@ from specd.engine.proposal import Proposal, ProposeRequest, Proposer  # noqa: F4
 
 def feature_rows(req) -> int:
     """How many feature rows `req` (a ProposeRequest or a wire ProposeEntry) must carry."""
-    return max(len(req.new_tokens) - 1, 0) if req.full_history else len(req.new_tokens)
+    if req.full_history:  # one row per pair from features_from on (the first token predicts nothing)
+        return max(len(req.new_tokens) - 1 - req.features_from, 0)
+    return len(req.new_tokens)
 
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {}

@@ -6,7 +6,10 @@ features (the module docstring of base.py fixes their rows): EAGLE heads keep th
 the committed pairs (token j with the row that predicted it, at head position j - 1) and the
 head's output at the last pair; drafting appends k - 1 pairs and rolls them back afterwards,
 as draft_model does. Medusa and the MLP speculator keep the last row only. A request whose
-tokens or feature rows do not line up with that state is answered resync=True.
+tokens or feature rows do not line up with that state is answered resync=True. EAGLE heads keep
+the KV of released histories in a prefix cache (heads/prefix_cache.py): a full history starts
+from the longest prefix held, and its rows may start there (ProposeRequest.features_from); one
+whose rows start past what is held is answered resync with history_held.
 
 Greedy drafts ship ids only (q one-hot). Sampled drafts come from the head's top-k truncated,
 renormalised distribution at the request's temperature, seeded by (request seed, position)
@@ -26,6 +29,7 @@ from specd.proposers.base import Proposal, ProposeRequest, feature_rows
 from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.pipeline import record_alternatives
 from specd.proposers.heads.checkpoint import load_target_pieces, read_config, read_tensors, resolve_head_dir
+from specd.proposers.heads.prefix_cache import BLOCK, HeadPrefixCache
 
 CHAIN_METHODS = ("eagle", "eagle3")
 PARALLEL_METHODS = ("medusa", "mlp_speculator")
@@ -44,7 +48,8 @@ class _State:
 class HiddenStateProposer:
     def __init__(self, method: str, model: str, target: str, *, num_speculative_tokens: int = 4,
                  dtype: str = "auto", device: str | torch.device = "auto", sample_method: str = "greedy",
-                 top_k: int = 16, seed: int | None = None, mask_structured: bool = True):
+                 top_k: int = 16, seed: int | None = None, mask_structured: bool = True,
+                 prefix_cache_mb: float = 64):
         if method not in METHODS:
             raise ValueError(f"unknown hidden-state method {method!r}; known: {', '.join(METHODS)}")
         self.method = method
@@ -99,6 +104,9 @@ class HiddenStateProposer:
         # specd.engine.fingerprint of the target the head was trained for, when its trainer wrote it
         # (published checkpoints carry none: the verifier then checks layers and hidden size only)
         self.target_fingerprint = str(cfg.get(FINGERPRINT_KEY) or "")
+        self.prefix_cache = HeadPrefixCache(int(prefix_cache_mb * 2**20), f"{method}{self.feature_layers}".encode()) \
+            if method in CHAIN_METHODS and prefix_cache_mb > 0 else None
+        self.lacking: dict[int, int] = {}  # seq_id -> pairs held, for a resync whose rows started too late
 
     @property
     def supports_tentative(self) -> bool:
@@ -139,7 +147,8 @@ class HiddenStateProposer:
                 else:
                     state = self._sync(req, catch_up)
                 if state is None:
-                    out[i] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True)
+                    out[i] = Proposal(seq_id=req.seq_id, token_ids=[], resync=True,
+                                      history_held=self.lacking.pop(req.seq_id, 0))
                 else:
                     synced.append((i, state, req))
             if catch_up:  # every sequence's new pairs in one ragged forward
@@ -165,7 +174,9 @@ class HiddenStateProposer:
     def release(self, seq_ids: list[int]) -> None:
         self.grammar.release(seq_ids)
         for sid in seq_ids:
-            self.seqs.pop(sid, None)
+            state = self.seqs.pop(sid, None)
+            if state is not None and state.kv is not None and self.prefix_cache is not None:
+                self.prefix_cache.store(state.tokens, state.kv)
 
     # -- state ---------------------------------------------------------------
     def _tentative_fits(self, req: ProposeRequest, state: _State | None) -> bool:
@@ -190,13 +201,18 @@ class HiddenStateProposer:
             self.release([req.seq_id])
             return None
         if req.full_history:
+            self.release([req.seq_id])
             if len(req.new_tokens) != req.num_tokens:
-                self.release([req.seq_id])
                 return None
-            state = self.seqs[req.seq_id] = _State(list(req.new_tokens))
+            state = _State(list(req.new_tokens))
+            pair_tokens = req.new_tokens[1:]  # the first token has no predicting row
             if self.method in CHAIN_METHODS:
                 state.kv = self.head.new_cache()
-            pair_tokens = req.new_tokens[1:]  # the first token has no predicting row
+                held = self._restore(state, req)
+                if held is None:
+                    return None
+                pair_tokens, rows = pair_tokens[held:], rows[held - req.features_from:]
+            self.seqs[req.seq_id] = state
         else:
             state.tokens.extend(req.new_tokens)
             pair_tokens = req.new_tokens
@@ -212,6 +228,16 @@ class HiddenStateProposer:
         else:
             catch_up.append((state, list(pair_tokens), rows))
         return state
+
+    def _restore(self, state: _State, req: ProposeRequest) -> int | None:
+        """A new chain state's pairs from the prefix cache (at least one pair is left to run, for
+        the head's output at the last pair): how many, or None when the request's rows start past
+        them (self.lacking says how many are held)."""
+        held = self.prefix_cache.held(state.tokens, len(state.tokens) - 2) if self.prefix_cache is not None else []
+        if len(held) * BLOCK < req.features_from:
+            self.lacking[req.seq_id] = len(held) * BLOCK
+            return None
+        return self.prefix_cache.restore(state.kv, held) if held else 0
 
     # -- drafting --------------------------------------------------------------
     def _draft(self, active: list[tuple[_State, ProposeRequest, int]]) -> list[Proposal]:

@@ -51,7 +51,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features", "structured_outputs")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features", "structured_outputs", "features_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class ProposeEntry(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -72,7 +73,8 @@ class ProposeEntry(_message.Message):
     seed: int
     features: Tensor
     structured_outputs: str
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., structured_outputs: _Optional[str] = ...) -> None: ...
+    features_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., structured_outputs: _Optional[str] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("client_id", "batch_id", "entries", "release", "traceparent")
@@ -97,20 +99,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "q", "resync", "cached", "parents")
+    __slots__ = ("seq_id", "token_ids", "q", "resync", "cached", "parents", "history_held")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_HELD_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     resync: bool
     cached: bool
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., resync: _Optional[bool] = ..., cached: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    history_held: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., resync: _Optional[bool] = ..., cached: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., history_held: _Optional[int] = ...) -> None: ...
 
 class ProposalBatch(_message.Message):
     __slots__ = ("batch_id", "proposals", "propose_ns")

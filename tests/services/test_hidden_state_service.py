@@ -124,3 +124,39 @@ def test_eagle_and_eagle3_drafter_services_keep_greedy_output(launcher, heads, p
     with pytest.raises(grpc.RpcError) as err:
         stub.RegisterDrafter(pb.RegisterDrafterRequest(name="wrong", address=wrong.address), timeout=30)
     assert "hidden size" in err.value.details()
+
+
+def test_a_conversations_next_turn_sends_the_head_only_the_rows_it_lacks(launcher, heads, prompts):
+    """Turn 2 of a conversation resends turn 1: the verifier serves it from its prefix cache and
+    the EAGLE head from its own (it kept turn 1's KV when the request ended), so the rows sent for
+    turn 2 start where both caches end instead of at the first token; tokens equal plain bf16."""
+    from specd.llm import LLM
+
+    e1 = launcher.start("drafter-eagle-pc", "drafter", ["--method", "eagle", "--name", "e1", "--model", heads["eagle"],
+                                                        "--target", TARGET, "--dtype", "bfloat16"])
+    metrics_port = free_port()
+    verifier = launcher.start("verifier-pc", "verifier", ["--model", TARGET, "--dtype", "bfloat16", "--drafter",
+                                                          f"e1={e1.address}", "--propose-timeout-ms", "5000",
+                                                          "--metrics-port", str(metrics_port)])
+    stub = pbg.VerifierStub(grpc.insecure_channel(verifier.address))
+    for _ in range(300):
+        if any(d.healthy for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=10).drafters):
+            break
+        time.sleep(0.2)
+    first = sum(prompts, []) * 2  # ~80 tokens of code
+    answer = generate(stub, first, "e1")
+    second = first + answer + prompts[0]
+    before = feature_bytes(metrics_port)["e1"]
+    got = generate(stub, second, "e1")
+    sent_rows = (feature_bytes(metrics_port)["e1"] - before) // (2 * transformers.AutoConfig.from_pretrained(
+        TARGET).hidden_size)
+    llm = LLM(TARGET, dtype="bfloat16")
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [answer, got] == [o.token_ids for o in llm.generate([first, second], greedy)]
+    # The verifier holds turn 1's whole 16-token blocks of KV (c tokens; its last token was never
+    # fed); a 16-pair block of the head reads one token more, so rows start at 16 * ((c - 1) // 16).
+    cached = 16 * ((len(first) + len(answer) - 1) // 16)
+    start = 16 * ((cached - 1) // 16)
+    assert start >= 64 and sent_rows <= len(second) - 1 - start + MAX_TOKENS, (sent_rows, len(second), start)
+    listed = {d.name: d for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=10).drafters}
+    assert listed["e1"].draft_tokens > 0

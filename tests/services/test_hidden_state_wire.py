@@ -126,6 +126,15 @@ def test_wire_pieces_cut_tokens_and_rows_at_the_same_place(monkeypatch):
     assert pieces[-1].k == 4 and all(p.feature_layers == (5, 0) for p in pieces)
     # A token-only drafter gets no features at all.
     assert wire_pieces(req, ())[0].features is None
+    # Rows from pair 3 on (the head holds pairs 0..2): the first piece is still the whole token
+    # history up to where its rows end, with features_from; the deltas after it carry none.
+    late = ProposeRequest(seq_id=7, new_tokens=list(range(100, 100 + n)), num_tokens=n, k=4, full_history=True,
+                          features=feats[3:], feature_layers=(0, 2, 5), features_from=3)
+    pieces = wire_pieces(late, (5, 0))
+    assert [p.num_tokens for p in pieces] == [8, 11] and [p.features_from for p in pieces] == [3, 0]
+    assert pieces[0].new_tokens == late.new_tokens[:8] and sum((p.new_tokens for p in pieces), []) == late.new_tokens
+    assert all(p.features.shape[0] == feature_rows(p) for p in pieces)
+    assert torch.equal(torch.cat([p.features for p in pieces]), torch.cat([feats[3:, 6:9], feats[3:, 0:3]], dim=1))
 
 
 def test_check_features_refuses_another_target():
