@@ -173,19 +173,25 @@ def head_target_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3", "medusa_st", "mlp"])
-def test_hidden_state_heads_get_their_features_on_a_hit(layout, head_target_dir, get_llm, make_prompts, tmp_path):
+@pytest.mark.parametrize("num_kv_blocks", [None, 14])  # 14 blocks: preemption and eviction forced
+def test_hidden_state_heads_get_their_features_on_a_hit(layout, num_kv_blocks, head_target_dir, get_llm, make_prompts,
+                                                       tmp_path):
     """A hit gives the sequence the cached blocks' feature rows too: the head drafts from the first
-    step, and the tokens equal the cache off."""
+    step, and the tokens equal the cache off (EAGLE heads also restore their own KV of turn 1)."""
     target_dir, model = head_target_dir
     method, head_dir, _ = write_layout(layout, tmp_path / layout, model)
     spec = {"method": method, "model": str(head_dir), "target_model": target_dir, "num_speculative_tokens": 3,
             "adaptive": False}
-    kw = dict(dtype="bfloat16", speculative_config=spec, max_model_len=160)
+    kw = dict(dtype="bfloat16", speculative_config=spec, max_model_len=160, num_kv_blocks=num_kv_blocks)
     off, _ = _conversations(get_llm(target_dir, fresh=True, enable_prefix_caching=False, **kw), make_prompts, 96, 6, 4)
     llm = get_llm(target_dir, fresh=True, **kw)
     on, hits = _conversations(llm, make_prompts, 96, 6, 4)
     assert on == off and hits > 0
     assert llm.engine.scheduler._block_features, "no feature rows were kept beside cached blocks"
+    if num_kv_blocks:
+        assert llm.engine.num_preemptions > 0 and llm.engine.block_manager.stats.evictions > 0
+    head_cache = llm.engine.speculator.proposer.prefix_cache
+    assert head_cache is None or head_cache.pairs_reused > 0, "the head never started from its own cache"
 
 
 def test_a_thousand_requests_with_cancellations_leak_no_block(target, get_llm):
