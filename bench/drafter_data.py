@@ -3,7 +3,7 @@
     python bench/drafter_data.py --threads 2 --batches 64,128,256
 
 The default target in bfloat16 makes shard 0 (256 conversations: self-asked questions, then the
-answers, up to 256 tokens each; specd/train_drafter/data.py) once per batch size, each time into a
+answers, up to 256 tokens each; training/specd_train/drafter/data.py) once per batch size, each time into a
 fresh cache, so every run does the whole shard. Reported: generated tokens (questions + answers)
 per second of wall time, and whether the shard came out identical at every batch size (it must:
 the data may not depend on how it was made).
@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from specd import model_store
-    from specd.train_drafter import data
+    from specd.models import model_store
+    from specd_train.drafter import data
 
     info = machine_info(args.threads, "cpu", "bfloat16")
     t0, rows, first = time.monotonic(), [], None

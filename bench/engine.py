@@ -4,7 +4,7 @@
     python bench/engine.py --model random --dtypes bfloat16,float32 --batch-sizes 1,8,32 --threads 2
     python bench/engine.py --threads 4 --batch-sizes 1,4,16 --device cuda
 
---model default is the real target (SmolLM2-135M-Instruct, `specd.model_store.fetch()`),
+--model default is the real target (SmolLM2-135M-Instruct, `specd.models.model_store.fetch()`),
 --model random (the default) a random Llama of ~30M parameters (hidden 512, 8 layers, 8 heads,
 intermediate 1408, vocab 8192, tied embeddings) written with save_pretrained into a temp dir;
 any other value is an HF checkpoint dir. Results: bench/results/engine_real.{md,json} for the
@@ -106,7 +106,7 @@ def parse_args(argv=None):
 
 def resolve_model(args, tmp: Path) -> Path:
     if args.model == "default":
-        from specd.model_store import fetch
+        from specd.models.model_store import fetch
 
         return fetch(log=lambda m: print(m, file=sys.stderr))[0]
     if args.model == "random":

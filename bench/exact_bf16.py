@@ -57,7 +57,7 @@ def parse_args(argv=None):
 def head_dir(method: str, root: Path) -> tuple[str, str]:
     """(directory, "trained" or "random"): the committed trained `method` head for the default
     target, else a random-weight one in its published layout."""
-    from specd import model_store
+    from specd.models import model_store
 
     trained = model_store.committed_head_dir(method)
     return (str(trained), "trained") if trained else (random_head(method, root), "random")
@@ -69,14 +69,14 @@ def random_head(method: str, root: Path) -> str:
     import transformers
     from head_layouts import write_layout
 
-    from specd import model_store
+    from specd.models import model_store
 
     target = transformers.AutoModelForCausalLM.from_pretrained(str(model_store.target_dir()))
     return str(write_layout(RANDOM_HEADS[method], root / method, target)[1])
 
 
 def spec_config(method: str, heads: dict[str, str] | None = None) -> dict:
-    from specd import model_store
+    from specd.models import model_store
 
     cfg = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     if method == "draft_model_tree":  # draft_model's dynamic token trees (EAGLE-2's idea)
@@ -95,8 +95,9 @@ def spec_config(method: str, heads: dict[str, str] | None = None) -> dict:
 
 
 def make_llm(method: str | None, invariant: bool, heads: dict[str, str] | None = None):
-    from specd import LLM, model_store
+    from specd import LLM
 
+    from specd.models import model_store
     return LLM(str(model_store.target_dir()), dtype="bfloat16", max_model_len=2048, batch_invariant=invariant,
                speculative_config=spec_config(method, heads) if method else None)
 
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from specd import SamplingParams
-    from specd.chat import chat_prompt_ids
-    from specd.workloads import workload
+    from specd.models.chat import chat_prompt_ids
+    from specd_train.workloads import workload
 
     t0 = time.monotonic()
     info = machine_info(args.threads, "cpu", "bfloat16")

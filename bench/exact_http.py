@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import openai
 
-    from specd import model_store
-    from specd.workloads import workload
+    from specd.models import model_store
+    from specd_train.workloads import workload
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)

@@ -63,7 +63,7 @@ async def measure(hidden: int, layers: int, batch: int, iters: int) -> dict:
     sink = Sink(layers, hidden)
     info = drafter_pb2.DrafterInfoResponse(name="sink", method="eagle", vocab_size=49152, max_k=8)
     describe_features(sink, info)
-    from specd.grpc_server import SERVER_OPTIONS
+    from specd.rpc.grpc_server import SERVER_OPTIONS
 
     server = grpc.aio.server(options=SERVER_OPTIONS)  # as `specd drafter` serves
     drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(sink, info), server)

@@ -88,9 +88,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from specd import model_store
+    from specd.models import model_store
     from specd.engine.loader import read_arch_config
-    from specd.tokenizer import Tokenizer
+    from specd.models.tokenizer import Tokenizer
 
     tok_dir = model_store.target_dir()
     arch = read_arch_config(tok_dir)

@@ -77,9 +77,9 @@ class Procs:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from specd import model_store
-    from specd.up import drafters_registered, grpc_serving, http_ok
-    from specd.workloads import workload
+    from specd.models import model_store
+    from specd.cli.up import drafters_registered, grpc_serving, http_ok
+    from specd_train.workloads import workload
 
     methods = args.methods.split(",")
     target = str(model_store.target_dir())

@@ -50,9 +50,9 @@ def free_ports(n: int) -> int:
 
 
 def system_prompt(tokens: int) -> str:
-    from specd.model_store import default_target
-    from specd.tokenizer import Tokenizer
-    from specd.workloads import workload
+    from specd.models.model_store import default_target
+    from specd.models.tokenizer import Tokenizer
+    from specd_train.workloads import workload
 
     text = "You are a careful assistant. Background notes follow; use them only when they help.\n\n" + "\n\n".join(
         m[0]["content"].split("\n\n", 1)[1] for m in workload("summarize", 64))
@@ -92,7 +92,7 @@ def scrape(urls: list[str]) -> dict:
 def one_run(name: str, flags: list[str], replicas: int, system: str, args) -> dict:
     from openai import OpenAI
 
-    from specd.workloads import CHAT_QUESTIONS
+    from specd_train.workloads import CHAT_QUESTIONS
 
     # specd up counts metrics ports up from --metrics-port: one per replica, then one per drafter
     port, metrics = free_port(), free_ports(replicas + 2)
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="off,on,prefix3,least3")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prefix_cache"))
     args = p.parse_args(argv)
-    from specd.up import default_threads
+    from specd.cli.up import default_threads
 
     t0, info = time.monotonic(), machine_info(default_threads())
     system = system_prompt(args.system_tokens)

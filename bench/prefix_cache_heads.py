@@ -31,10 +31,12 @@ from prefix_cache import FOLLOW_UPS, system_prompt  # noqa: E402
 def run(cache: bool, head_cache: bool, args, system: str) -> dict:
     import torch
 
-    from specd import LLM, SamplingParams, model_store
-    from specd.chat import chat_prompt_ids
+    from specd import LLM, SamplingParams
+
+    from specd.models import model_store
+    from specd.models.chat import chat_prompt_ids
     from specd.engine.model_runner import ModelRunner
-    from specd.workloads import CHAT_QUESTIONS
+    from specd_train.workloads import CHAT_QUESTIONS
 
     torch.set_num_threads(args.threads)
     target = model_store.default_target()

@@ -1,5 +1,5 @@
 """Speculative decoding on the default pair (SmolLM2-135M-Instruct + its trained drafter): offline,
-over HTTP, and against peers, on the held-out workloads (specd.workloads: chat, code_edit, summarize).
+over HTTP, and against peers, on the held-out workloads (specd_train.workloads: chat, code_edit, summarize).
 
 1. offline: specd.LLM in-process. Per workload, batch (1, 8) and temperature (0, 0.7, seeded per
    prompt): plain decoding, then draft_model / ngram / suffix at each fixed k (controller off).
@@ -23,7 +23,7 @@ dtype, batch, temperature, k, workload, method, prompts, requests and max tokens
     python bench/real_pair.py                    # the full run -> bench/results/real_pair.{json,md,png}
     python bench/real_pair.py --only http --workloads chat --methods suffix --temps 0   # one slice
 
-Defaults: the fetched pair (specd.model_store), 1 torch thread per process, 4 prompts per
+Defaults: the fetched pair (specd.models.model_store), 1 torch thread per process, 4 prompts per
 workload (batch-8 runs: 8), 128 tokens, offline k 2 and 4, HTTP k 4, 3 repeats. Needs the dev
 extras (openai, transformers) and matplotlib for the plot.
 """
@@ -59,8 +59,8 @@ def csv(cast):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="target directory (default: specd.model_store.target_dir())")
-    ap.add_argument("--drafter", default=None, help="drafter directory (default: specd.model_store.drafter_dir())")
+    ap.add_argument("--target", default=None, help="target directory (default: specd.models.model_store.target_dir())")
+    ap.add_argument("--drafter", default=None, help="drafter directory (default: specd.models.model_store.drafter_dir())")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of this process, the verifier and each drafter (default 1)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -109,7 +109,7 @@ def parse_args(argv=None):
         ap.error(f"unknown method/workload/stage: {', '.join(bad)}")
     if "http" in args.only and set(args.b32_drafters) - set(args.methods):
         ap.error("--b32-drafters must be among --methods (the drafters started)")
-    from specd import model_store
+    from specd.models import model_store
 
     args.target = str(args.target or model_store.target_dir())
     args.drafter = str(args.drafter or model_store.drafter_dir())
@@ -128,9 +128,9 @@ def parse_args(argv=None):
 
 
 def load_prompts(target: str, workloads: list[str], n: int) -> dict[str, list[dict]]:
-    from specd.chat import chat_prompt_ids
-    from specd.tokenizer import Tokenizer
-    from specd.workloads import workload
+    from specd.models.chat import chat_prompt_ids
+    from specd.models.tokenizer import Tokenizer
+    from specd_train.workloads import workload
 
     tok = Tokenizer.from_dir(Path(target))
     return {w: [{"messages": m, "ids": chat_prompt_ids(tok, m), "seed": 1000 * WORKLOADS.index(w) + i}
@@ -246,7 +246,7 @@ def offline_stage(args, prompts: dict) -> list[dict]:
             llm = LLM(args.target, speculative_config=cfg, dtype=args.dtype, max_model_len=2048, kv_cache_gb=0.25)
             rec = instrument(llm)
             from specd import SamplingParams
-            from specd.chat import chat_prompt_ids
+            from specd.models.chat import chat_prompt_ids
 
             llm.generate({"prompt_token_ids": chat_prompt_ids(llm.tokenizer, WARMUP)},
                          SamplingParams(max_tokens=8, temperature=0))
@@ -374,7 +374,7 @@ def llamacpp_peer(args, prompts: dict) -> tuple[list[dict], list[str]]:
     try:
         import llamacpp as lc
 
-        from specd import model_store
+        from specd.models import model_store
         from specd.cache import file_sha256
     except Exception as e:  # noqa: BLE001
         return [], [f"llama.cpp peer skipped: bench/llamacpp.py not importable ({e})"]

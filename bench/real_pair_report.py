@@ -35,7 +35,7 @@ def _elsewhere(x: dict) -> str:
 
 def render(r: dict, png: str) -> str:
     m, s = r["machine"], r["settings"]
-    from specd import model_store
+    from specd.models import model_store
 
     lines = ["# Speculative decoding on the default pair: offline, over HTTP, and peers", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
@@ -45,7 +45,7 @@ def render(r: dict, png: str) -> str:
              f"Command: `{r['command']}`", "",
              f"Target: `{r['models']['target']}`. Drafter: `{r['models']['drafter']}`"
              + ("" if r["models"]["drafter"] == str(model_store.drafter_dir()) else " (**not the default drafter**)")
-             + "." + "".join(f" {m}: `{d}`." for m, d in r["models"].get("heads", {}).items()), f"Workloads (held out, specd.workloads): {', '.join(s['workloads'])}; {s['prompts']} prompts each, "
+             + "." + "".join(f" {m}: `{d}`." for m, d in r["models"].get("heads", {}).items()), f"Workloads (held out, specd_train.workloads): {', '.join(s['workloads'])}; {s['prompts']} prompts each, "
              f"max {s['max_tokens']} new tokens (EOS ends a request); temperature > 0 is seeded per request. "
              f"Offline k: {', '.join(map(str, s['k']))} (fixed, controller off); HTTP k: {s['http_k']}.", ""]
     http = [x for x in r["http"] if x["method"] != "plain"]

@@ -120,9 +120,9 @@ def summarize(records: list[dict], wall: float, references: dict[str, str], max_
 
 def main() -> int:
     from specd import LLM
-    from specd.demo_paths import demo_model_dir
+    from specd.models.demo_paths import demo_model_dir
     from specd.sampling import SamplingParams
-    from specd.up import drafters_registered, grpc_serving, http_ok
+    from specd.cli.up import drafters_registered, grpc_serving, http_ok
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(demo_model_dir("target")))

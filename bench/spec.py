@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info  # noqa: E402
 
 from specd import LLM, SamplingParams  # noqa: E402
-from specd.demo_paths import demo_model_dir  # noqa: E402
+from specd.models.demo_paths import demo_model_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -31,8 +31,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def heldout_prompts(n: int, length: int) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from specd.demo.corpus import load_corpus, read_text
-    from specd.demo.evaluate import prompts_from, token_stream
+    from specd_train.demo.corpus import load_corpus, read_text
+    from specd_train.demo.evaluate import prompts_from, token_stream
 
     tok = Tokenizer.from_file(str(demo_model_dir("target") / "tokenizer.json"))
     stream = token_stream(tok, [read_text(p) for p in load_corpus().heldout])

@@ -42,8 +42,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from specd import LLM, SamplingParams, model_store
-    from specd.chat import chat_prompt_ids
+    from specd import LLM, SamplingParams
+    from specd.models import model_store
+    from specd.models.chat import chat_prompt_ids
 
     info = machine_info(args.threads, "cpu", "auto")
     t0 = time.monotonic()

@@ -39,10 +39,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from machine import machine_info
 
-    from specd import LLM, SamplingParams, model_store
-    from specd.chat import chat_prompt_ids
-    from specd.tokenizer import Tokenizer
-    from specd.workloads import workload
+    from specd import LLM, SamplingParams
+
+    from specd.models import model_store
+    from specd.models.chat import chat_prompt_ids
+    from specd.models.tokenizer import Tokenizer
+    from specd_train.workloads import workload
 
     target, drafter = str(model_store.target_dir()), str(model_store.drafter_dir())
     tok = Tokenizer.from_dir(Path(target))

@@ -126,8 +126,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from spec import heldout_prompts  # bench/spec.py: the held-out stdlib code prompts
-    from specd.grpc_server import install_uvloop
-    from specd.up import Stack, grpc_serving, http_ok, wait_ready
+    from specd.rpc.grpc_server import install_uvloop
+    from specd.cli.up import Stack, grpc_serving, http_ok, wait_ready
 
     stack = Stack()
     never = threading.Event()

@@ -7,7 +7,7 @@ from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.llm_engine import LLMEngine
 from specd.proposers.factory import in_process_proposer
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict
 

@@ -11,8 +11,8 @@ DEFAULT_PORT = 50061
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specd import auth
-    from specd.metrics_port import add_metrics_port_argument
+    from specd.rpc import auth
+    from specd.rpc.metrics_port import add_metrics_port_argument
 
     p.add_argument("--method", required=True, choices=["draft_model", "ngram", "suffix", *HEAD_METHODS, "combined"])
     p.add_argument("--model", default=None,
@@ -62,7 +62,7 @@ def build_proposer(args):
 
     from specd.config import SpeculativeConfig
     from specd.proposers.factory import make_proposer
-    from specd.tokenizer import vocab_hash_of
+    from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import drafter_pb2
 
     options = json.loads(args.options) if args.options else {}
@@ -109,15 +109,15 @@ def _with_defaults(options, method: str | None, args):
         return options  # SpeculativeConfig names what is wrong
     options = dict(options)
     if method == "draft_model" and options.get("model") is None:
-        from specd.model_store import default_drafter
+        from specd.models.model_store import default_drafter
 
         options["model"] = default_drafter()
     if method in HEAD_METHODS and options.get("target_model") is None:
-        from specd.model_store import default_target
+        from specd.models.model_store import default_target
 
         options["target_model"] = args.target or default_target()
         if options.get("model") is None and args.target is None:
-            from specd.model_store import committed_head_dir
+            from specd.models.model_store import committed_head_dir
 
             head = committed_head_dir(method)
             options["model"] = None if head is None else str(head)
@@ -148,11 +148,11 @@ def run(args) -> int:
 
     from specd.engine.loader import set_threads
     from specd.drafter.metrics import DrafterMetrics
-    from specd.grpc_server import install_uvloop, setup_logging
-    from specd.metrics_port import start_metrics
-    from specd.telemetry import setup_tracing
+    from specd.rpc.grpc_server import install_uvloop, setup_logging
+    from specd.rpc.metrics_port import start_metrics
+    from specd.rpc.telemetry import setup_tracing
 
-    from specd import auth
+    from specd.rpc import auth
     from specd.drafter.server import DrafterLimits
 
     setup_logging(args.log_level)
@@ -175,9 +175,9 @@ def run(args) -> int:
 async def _serve(args, proposer, info, metrics, limits, security) -> None:
     import asyncio
 
-    from specd.auth import DRAFTER
+    from specd.rpc.auth import DRAFTER
     from specd.drafter.server import DrafterService
-    from specd.grpc_server import serve
+    from specd.rpc.grpc_server import serve
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
     service = DrafterService(proposer, info, args.ttl_seconds, metrics, limits, security.secret)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.telemetry import LATENCY_BUCKETS, serve_metrics
+from specd.rpc.telemetry import LATENCY_BUCKETS, serve_metrics
 
 
 class DrafterMetrics:

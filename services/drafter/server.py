@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from specd.auth import drafter_proof
+from specd.rpc.auth import drafter_proof
 from specd.proposers.base import ProposeRequest, feature_rows
-from specd.telemetry import context_from_traceparent, tracer
+from specd.rpc.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
-from specd.wire import tensor_from_proto
+from specd.rpc.wire import tensor_from_proto
 
 log = logging.getLogger("specd.drafter")
 _tracer = tracer("specd.drafter")

@@ -19,8 +19,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specd.telemetry import tracer
-from specd.tokenizer import Tokenizer
+from specd.rpc.telemetry import tracer
+from specd.models.tokenizer import Tokenizer
 
 from . import admin, tools
 from .config import GatewayConfig, ModelInfo

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specd.auth import Security
+from specd.rpc.auth import Security
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 ROUTINGS = ("prefix", "least-loaded")  # how a request without a session key picks its replica

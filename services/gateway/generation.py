@@ -10,12 +10,12 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from specd.detokenizer import IncrementalDetokenizer, StopStrings
+from specd.models.detokenizer import IncrementalDetokenizer, StopStrings
 from specd.sampling import SamplingParams
-from specd.telemetry import inject_metadata
-from specd.tokenizer import Tokenizer
+from specd.rpc.telemetry import inject_metadata
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2
-from specd.wire import params_to_proto, spec_to_dict
+from specd.rpc.wire import params_to_proto, spec_to_dict
 
 from .errors import APIError, from_grpc
 from .metrics import GatewayMetrics

@@ -9,7 +9,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from specd import auth
+from specd.rpc import auth
 
 from .config import DEFAULT_MAX_BODY_BYTES, ROUTINGS, GatewayConfig, ModelInfo
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from specd.telemetry import setup_tracing
+    from specd.rpc.telemetry import setup_tracing
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together")
@@ -197,7 +197,7 @@ async def tokenizer_from_verifier(address: str, security, vocab_hash: str):
 
 
 def load_tokenizer(source: str, vocab_hash: str, what: str | None = None):
-    from specd.tokenizer import Tokenizer
+    from specd.models.tokenizer import Tokenizer
 
     what = what or f"the tokenizer in {source}"
     tokenizer = Tokenizer.from_dir(Path(source)) if Path(source).is_dir() else None

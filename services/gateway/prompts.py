@@ -1,8 +1,8 @@
 """Prompts to token ids: the chat template, completion prompts, and the context-length checks."""
 from __future__ import annotations
 
-from specd import chat
-from specd.tokenizer import Tokenizer
+from specd.models import chat
+from specd.models.tokenizer import Tokenizer
 
 from .errors import bad_request
 

@@ -34,8 +34,8 @@ from array import array
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.auth import VERIFIER, Security, aio_channel
-from specd.grpc_server import CHANNEL_OPTIONS
+from specd.rpc.auth import VERIFIER, Security, aio_channel
+from specd.rpc.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
 from .errors import APIError

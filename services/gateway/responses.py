@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 
 from . import tools
 from .generation import Step

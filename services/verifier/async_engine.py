@@ -19,7 +19,7 @@ from opentelemetry import trace
 from specd.engine.llm_engine import LLMEngine
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
-from specd.telemetry import tracer
+from specd.rpc.telemetry import tracer
 
 log = logging.getLogger("specd.verifier.engine")
 _tracer = tracer("specd.verifier")

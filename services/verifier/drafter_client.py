@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from specd.auth import DRAFTER, TOKEN_ENV, Security, aio_channel, check_proof
-from specd.grpc_server import CHANNEL_OPTIONS
+from specd.rpc.auth import DRAFTER, TOKEN_ENV, Security, aio_channel, check_proof
+from specd.rpc.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specd.verifier.pool")

@@ -17,13 +17,13 @@ import logging
 import uuid
 from dataclasses import replace
 
-from specd.auth import Security
+from specd.rpc.auth import Security
 from specd.config import MAX_TREE_NODES
 from specd.proposers.base import Proposal, ProposeRequest
-from specd.telemetry import current_traceparent
+from specd.rpc.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
 from specd.verifier.drafter_client import DrafterClient, FeatureTarget
-from specd.wire import MAX_FEATURE_BYTES, tensor_to_proto
+from specd.rpc.wire import MAX_FEATURE_BYTES, tensor_to_proto
 
 log = logging.getLogger("specd.verifier.pool")
 

@@ -15,8 +15,8 @@ def _drafter_arg(value: str) -> tuple[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specd import auth
-    from specd.metrics_port import add_metrics_port_argument
+    from specd.rpc import auth
+    from specd.rpc.metrics_port import add_metrics_port_argument
 
     p.add_argument("--model", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--host", default="127.0.0.1")
@@ -71,14 +71,14 @@ def run(args) -> int:
     import asyncio
 
     from specd.engine.loader import set_threads
-    from specd.model_store import default_target
+    from specd.models.model_store import default_target
     from specd.config import EngineConfig, SpeculativeConfig
-    from specd.grpc_server import install_uvloop, setup_logging
-    from specd.metrics_port import start_metrics
-    from specd.telemetry import setup_tracing
+    from specd.rpc.grpc_server import install_uvloop, setup_logging
+    from specd.rpc.metrics_port import start_metrics
+    from specd.rpc.telemetry import setup_tracing
     from specd.verifier.metrics import VerifierMetrics
 
-    from specd import auth
+    from specd.rpc import auth
 
     setup_logging(args.log_level)
     security = auth.from_args(args)  # a bad secret file or certificate fails before the model loads
@@ -137,10 +137,10 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     import logging
     from pathlib import Path
 
-    from specd.auth import VERIFIER
+    from specd.rpc.auth import VERIFIER
     from specd.engine.llm_engine import LLMEngine
-    from specd.grpc_server import serve
-    from specd.tokenizer import vocab_hash_of
+    from specd.rpc.grpc_server import serve
+    from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
     from specd.verifier.async_engine import Admission, AsyncEngine
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer

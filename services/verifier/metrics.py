@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from specd.engine.spec_stats import SpecStats
-from specd.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, serve_metrics
+from specd.rpc.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, serve_metrics
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

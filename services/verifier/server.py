@@ -7,14 +7,14 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from specd.telemetry import extract_metadata, tracer
+from specd.rpc.telemetry import extract_metadata, tracer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.verifier.async_engine import AsyncEngine, EngineFailure, Overloaded
 from specd.verifier.drafter_client import TrustUnavailable, VocabularyMismatch
-from specd.wire import params_from_proto
+from specd.rpc.wire import params_from_proto
 
 _tracer = tracer("specd.verifier")
-# What specd.tokenizer.Tokenizer.from_dir reads: the vocabulary, its config, the chat template.
+# What specd.models.tokenizer.Tokenizer.from_dir reads: the vocabulary, its config, the chat template.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.config import EngineConfig, SpeculativeConfig
-from specd.detokenizer import StopChecker
+from specd.models.detokenizer import StopChecker
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
 from specd.engine.logprobs import StepLogprobs
@@ -17,7 +17,7 @@ from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
 from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from specd.engine.exactness import forward_invariance_failures
 from specd.engine.fingerprint import weights_fingerprint
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
-from specd.gguf_convert import convert_gguf, find_gguf
+from specd.models.gguf_convert import convert_gguf, find_gguf
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the cache at admission
         self.finish_reason: str | None = None
         self.generator: Any = None  # per-request seeded RNG, owned by the sampler side
-        self.stop_checker: Any = None  # specd.detokenizer.StopChecker when params.stop is set
+        self.stop_checker: Any = None  # specd.models.detokenizer.StopChecker when params.stop is set
         self.spec_stats = SpecStats()
         self.spec_sent = 0  # committed tokens already sent to the proposer (0: send full history)
         self.spec_features_from: int | None = None  # a full history's first feature row, once a head said

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from specd import auth
+from specd.rpc import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -44,8 +44,8 @@ import json, sys
 import torch
 torch.set_num_threads(1)  # as the verifier containers (--threads 1)
 from specd import LLM, SamplingParams
-from specd.chat import chat_prompt_ids
-from specd.model_store import fetch
+from specd.models.chat import chat_prompt_ids
+from specd.models.model_store import fetch
 llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
 prompts = [p if isinstance(p, str) else {"prompt_token_ids": chat_prompt_ids(llm.tokenizer, p)}
            for p in json.loads(sys.argv[1])]

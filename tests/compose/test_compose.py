@@ -7,7 +7,7 @@ and without the secure override), the Dockerfiles' shared stages and torch varia
 (deploy/docker/install-torch.sh run with a stand-in pip: the missing CPU wheel stops it with
 the command that fills wheels/, a CUDA tag asks the PyTorch index for it alone, matching the
 Kubernetes GPU overlay's :cuda images), deploy/make-secrets.sh's certificate serving gRPC TLS
-to the containers' healthcheck, and the pure helpers of specd/docker_swap.py.
+to the containers' healthcheck, and the pure helpers of specd/cli/docker_swap.py.
 
 The `docker`-marked tests build the images the registry-free way (compose_stack.py), start
 the stack (`--profile ngram`; Grafana's image is not there and is never pulled), and check,
@@ -42,8 +42,8 @@ import pytest
 from compose_stack import (COMPOSE_FILE, MAX_TOKENS, MODEL, ROOT, SECURE_FILE, complete, compose_binaries,
                            docker_client, make_secrets, offline_reference, openai_client, report, start_stack, wait)
 
-from specd import auth
-from specd.docker_swap import (drafter_command, health_command, next_name, register_request, secret_volumes,
+from specd.rpc import auth
+from specd.cli.docker_swap import (drafter_command, health_command, next_name, register_request, secret_volumes,
                                split_host)
 from specd.v1 import verifier_pb2 as pb
 

@@ -20,7 +20,7 @@ import pytest
 from compose_stack import (COMPOSE_FILE, MODEL, SECURE_FILE, complete, make_secrets, openai_client, report,
                            start_stack, wait)
 
-from specd import auth
+from specd.rpc import auth
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

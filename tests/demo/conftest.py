@@ -10,9 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the netwo
 import pytest
 import torch
 
-from specd.demo.command import default_models_dir
-from specd.demo.models import DRAFTER_NAME, TARGET_NAME
-from specd.demo.pipeline import EVAL_FILE
+from specd_train.demo.command import default_models_dir
+from specd_train.demo.models import DRAFTER_NAME, TARGET_NAME
+from specd_train.demo.pipeline import EVAL_FILE
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +30,7 @@ def report(models_dir):
 
 @pytest.fixture(scope="session")
 def pair(models_dir):
-    from specd.demo.models import load_model
+    from specd_train.demo.models import load_model
 
     return load_model(models_dir / TARGET_NAME), load_model(models_dir / DRAFTER_NAME)
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from specd.demo import command
-from specd.demo.checksums import verify_checksums
-from specd.demo.models import DRAFTER_NAME, TARGET_NAME
+from specd_train.demo import command
+from specd_train.demo.checksums import verify_checksums
+from specd_train.demo.models import DRAFTER_NAME, TARGET_NAME
 
 
 def _args(out, retrain=False):

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.demo import evaluate
-from specd.demo.corpus import load_corpus, read_text
-from specd.demo.models import DRAFTER_NAME, TARGET_NAME
-from specd.demo.pipeline import spec_from_report
-from specd.demo.tokenizer import load_tokenizer
+from specd_train.demo import evaluate
+from specd_train.demo.corpus import load_corpus, read_text
+from specd_train.demo.models import DRAFTER_NAME, TARGET_NAME
+from specd_train.demo.pipeline import spec_from_report
+from specd_train.demo.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("name", [TARGET_NAME, DRAFTER_NAME])

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from specd.demo.models import DRAFTER_NAME, TARGET_NAME
-from specd.demo.pipeline import SMOKE, build_pair
+from specd_train.demo.models import DRAFTER_NAME, TARGET_NAME
+from specd_train.demo.pipeline import SMOKE, build_pair
 
 COMPARED = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specd.demo.evaluate import simulate
+from specd_train.demo.evaluate import simulate
 
 
 def _m(bits: str) -> torch.Tensor:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.demo.models import TINY_TARGET_SIZE, build_model, llama_config
-from specd.demo.train import Schedule, batches, greedy_pool, mixed_batches
+from specd_train.demo.models import TINY_TARGET_SIZE, build_model, llama_config
+from specd_train.demo.train import Schedule, batches, greedy_pool, mixed_batches
 
 SCHED = Schedule(steps=3, batch=6, context=24, lr=1e-3, warmup=1)
 VOCAB = 97

@@ -157,7 +157,7 @@ def pod_problems(stack: Stack, w: dict) -> tuple[Pod, list[str]]:
 
 def container_problems(stack: Stack, pod: Pod, c: dict):
     """(its parsed arguments or None, what is wrong with it)."""
-    from specd import model_store
+    from specd.models import model_store
 
     where, out = f"{pod.name}/{c['name']}", []
     for m in c.get("volumeMounts", []):

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not (demo_model_dir("target") / "config.json").is_file(),

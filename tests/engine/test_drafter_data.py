@@ -1,4 +1,4 @@
-"""`specd drafter-data`'s shards (specd/train_drafter/data.py) on the demo target: a shard is the
+"""`specd drafter-data`'s shards (training/specd_train/drafter/data.py) on the demo target: a shard is the
 same whatever the batch it was decoded at, a rerun makes only what is missing, and a deadline
 stops it cleanly."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.demo_paths import models_root
-from specd.train_drafter import data
+from specd.models.demo_paths import models_root
+from specd_train.drafter import data
 
 
 @pytest.fixture

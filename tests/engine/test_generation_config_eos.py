@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.llm import LLM
 from specd.sampling import SamplingParams
 

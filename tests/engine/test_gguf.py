@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from specd import LLM, SamplingParams  # noqa: E402
 from specd.engine.loader import resolve_model_dir  # noqa: E402
 from specd.cache import file_sha256  # noqa: E402
-from specd.gguf_convert import GGUFError  # noqa: E402
+from specd.models.gguf_convert import GGUFError  # noqa: E402
 
 from gguf_files import (ARCHS, BOS, EOS, SPECIALS, TEMPLATE, USER_DEFINED, bpe_tokenizer, hf_model,  # noqa: E402
                         write_gguf)

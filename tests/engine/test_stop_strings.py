@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 
 TARGET = str(demo_model_dir("target"))
 PROMPT = "def fibonacci(n):\n    "

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd import model_store
+from specd.models import model_store
 from specd.kernels import cpu_ops
 
 SCRIPT = Path(__file__).with_name("isa_outputs.py")

@@ -12,7 +12,7 @@ import torch
 
 from specd.proposers.base import ProposeRequest
 from specd.proposers.hidden_state import HiddenStateProposer
-from specd.train_drafter import eagle
+from specd_train.drafter import eagle
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,9 +9,9 @@ import torch
 
 from specd.proposers.base import ProposeRequest
 from specd.proposers.hidden_state import HiddenStateProposer
-from specd.train_drafter import head_training as ht
-from specd.train_drafter import medusa, mlp_speculator
-from specd.train_drafter.head_card import lm_rows
+from specd_train.drafter import head_training as ht
+from specd_train.drafter import medusa, mlp_speculator
+from specd_train.drafter.head_card import lm_rows
 
 transformers = pytest.importorskip("transformers")
 VOCAB, L = 128, 3
@@ -110,7 +110,7 @@ def _eagle3_chain(head, tokens: list[int], rows: torch.Tensor, k: int, allowed: 
 
 
 def test_trained_eagle3_checkpoint_drafts_what_training_time_test_computes(target, tmp_path):
-    from specd.train_drafter import eagle3
+    from specd_train.drafter import eagle3
 
     target_dir, model, seqs, final = target
     layers = ht.feature_layers(L)

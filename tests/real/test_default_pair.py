@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 
-from specd import LLM, SamplingParams, model_store
+from specd import LLM, SamplingParams
+
+from specd.models import model_store
 from specd.cache import file_sha256
-from specd.chat import chat_prompt_ids
-from specd.workloads import workload
+from specd.models.chat import chat_prompt_ids
+from specd_train.workloads import workload
 
 pytestmark = pytest.mark.timeout(1200)
 

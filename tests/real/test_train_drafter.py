@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specd import model_store
+from specd.models import model_store
 
 pytestmark = pytest.mark.timeout(1200)
 TINY = ["--prompts", "6", "--questions", "3", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1", "--threads", "1"]

@@ -10,8 +10,10 @@ import argparse
 import pytest
 import torch
 
-from specd import LLM, SamplingParams, model_store
-from specd.chat import chat_prompt_ids
+from specd import LLM, SamplingParams
+
+from specd.models import model_store
+from specd.models.chat import chat_prompt_ids
 
 pytestmark = pytest.mark.timeout(1200)
 METHODS = ["eagle", "eagle3", "medusa", "mlp_speculator"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.up import grpc_serving, http_ok
+from specd.cli.up import grpc_serving, http_ok
 
 STARTUP_TIMEOUT_S = 120.0
 

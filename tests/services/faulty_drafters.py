@@ -11,7 +11,7 @@ from concurrent import futures
 
 import grpc
 
-from specd.auth import drafter_proof
+from specd.rpc.auth import drafter_proof
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 GARBAGE_MODES = ("out_of_vocab", "negative", "too_many", "wrong_seq_ids", "bad_q", "q_length", "random_ids")

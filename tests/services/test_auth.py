@@ -15,9 +15,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tls_certs import make_self_signed
 
-from specd import auth
-from specd.demo_paths import demo_model_dir
-from specd.up import grpc_serving
+from specd.rpc import auth
+from specd.models.demo_paths import demo_model_dir
+from specd.cli.up import grpc_serving
 from specd.v1 import drafter_pb2 as dpb
 from specd.v1 import drafter_pb2_grpc as dpbg
 from specd.v1 import verifier_pb2 as pb

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd import auth
+from specd.rpc import auth
 from specd.v1 import drafter_pb2 as dpb
 from specd.v1 import drafter_pb2_grpc as dpbg
 

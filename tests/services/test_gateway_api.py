@@ -19,11 +19,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.testclient import TestClient
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.gateway.app import build_app
 from specd.gateway.config import GatewayConfig, ModelInfo
 from specd.gateway.prompts import chat_prompt_ids
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc
 

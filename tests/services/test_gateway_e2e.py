@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.gateway.prompts import chat_prompt_ids
 from specd.sampling import SamplingParams
 

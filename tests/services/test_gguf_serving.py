@@ -37,7 +37,7 @@ def gguf_file(tmp_path_factory):
 def offline(gguf_file):
     """(prompt token count, greedy text) per conversation, from the offline engine on the file."""
     from specd import LLM, SamplingParams
-    from specd.chat import chat_prompt_ids
+    from specd.models.chat import chat_prompt_ids
 
     llm = LLM(str(gguf_file), dtype="float32", device="cpu")
     out = []

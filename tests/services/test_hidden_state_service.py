@@ -18,12 +18,12 @@ import pytest
 import torch
 from head_layouts import write_layout
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
-from specd.wire import params_to_proto
+from specd.rpc.wire import params_to_proto
 
 transformers = pytest.importorskip("transformers")
 TARGET = str(demo_model_dir("target"))

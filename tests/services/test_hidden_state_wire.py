@@ -26,7 +26,7 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 from specd.verifier import drafter_pool
 from specd.verifier.drafter_client import FeatureMismatch, FeatureTarget, check_features
 from specd.verifier.drafter_pool import DrafterPool, PoolProposer, wire_pieces
-from specd.wire import tensor_to_proto
+from specd.rpc.wire import tensor_to_proto
 
 transformers = pytest.importorskip("transformers")
 

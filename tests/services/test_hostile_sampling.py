@@ -21,9 +21,9 @@ import pytest
 from faulty_drafters import start_faulty
 from target_distribution import chi2_uniform, pit_values
 
-from specd import auth
-from specd.demo_paths import demo_model_dir
-from specd.tokenizer import Tokenizer
+from specd.rpc import auth
+from specd.models.demo_paths import demo_model_dir
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

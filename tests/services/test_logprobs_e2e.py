@@ -16,9 +16,9 @@ import openai
 import pytest
 import torch
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.gateway.prompts import chat_prompt_ids
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

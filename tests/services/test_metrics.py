@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

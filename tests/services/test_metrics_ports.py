@@ -1,4 +1,4 @@
-"""Metrics ports of services on one host (specd.metrics_port): by default each gRPC service
+"""Metrics ports of services on one host (specd.rpc.metrics_port): by default each gRPC service
 serves /metrics on its own port + 1000, so two drafters never collide; a busy metrics port
 stops a service at start with one line naming the port and the flag.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.demo_paths import demo_model_dir
-from specd.metrics_port import METRICS_PORT_OFFSET, default_metrics_port
-from specd.up import grpc_serving, metrics_ports
+from specd.models.demo_paths import demo_model_dir
+from specd.rpc.metrics_port import METRICS_PORT_OFFSET, default_metrics_port
+from specd.cli.up import grpc_serving, metrics_ports
 
 STARTUP_TIMEOUT_S = 120.0
 URL_RE = re.compile(r"metrics at (http://127\.0\.0\.1:(\d+)/metrics)")

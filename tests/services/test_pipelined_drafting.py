@@ -20,10 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from target_distribution import chi2_uniform, pit_values
 
-from specd import auth
-from specd.demo_paths import demo_model_dir
+from specd.rpc import auth
+from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

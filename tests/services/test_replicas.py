@@ -24,10 +24,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.gateway.replicas import affinity_rank
 from specd.sampling import SamplingParams
-from specd.up import drafters_registered, grpc_serving
+from specd.cli.up import drafters_registered, grpc_serving
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 
@@ -410,7 +410,7 @@ def _gateway(addresses: list[str]):
 
     from specd.gateway.app import build_app
     from specd.gateway.config import GatewayConfig, ModelInfo
-    from specd.tokenizer import Tokenizer
+    from specd.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(MODEL_DIR)
     model = ModelInfo(name=MODEL, path=str(MODEL_DIR), max_model_len=256, vocab_size=tok.vocab_size)

@@ -21,8 +21,8 @@ from grpc_health.v1 import health, health_pb2
 from grpc_health.v1 import health_pb2_grpc as health_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.auth import Security
-from specd.demo_paths import demo_model_dir
+from specd.rpc.auth import Security
+from specd.models.demo_paths import demo_model_dir
 from specd.gateway.metrics import GatewayMetrics
 from specd.gateway.replicas import KV_FULL, PREFIX_LOAD_SLACK, VERIFIER_SERVICE, ReplicaSet, affinity_rank, prefix_key
 from specd.v1 import verifier_pb2 as pb
@@ -183,7 +183,7 @@ def test_the_gateway_routes_by_prefix_unless_told_otherwise(verifiers, routing):
 
     from specd.gateway.app import build_app
     from specd.gateway.config import GatewayConfig, ModelInfo
-    from specd.tokenizer import Tokenizer
+    from specd.models.tokenizer import Tokenizer
 
     addresses, servicers = verifiers
     tok = Tokenizer.from_dir(MODEL_DIR)

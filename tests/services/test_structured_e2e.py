@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from json_schemas import SCHEMAS
-from specd import model_store
+from specd.models import model_store
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 
 MODEL_DIR = demo_model_dir("target")
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="the bundled demo target is missing")
@@ -196,7 +196,7 @@ def test_tracing_is_off_by_default():
     proc = _python("""
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
-        from specd import telemetry
+        from specd.rpc import telemetry
 
         assert telemetry.setup_tracing("specd-test") is False
         assert not isinstance(trace.get_tracer_provider(), TracerProvider)
@@ -215,7 +215,7 @@ def test_trace_context_helpers_round_trip():
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from specd import telemetry
+        from specd.rpc import telemetry
 
         provider, exporter = TracerProvider(), InMemorySpanExporter()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -245,14 +245,14 @@ def test_otlp_endpoint_without_the_exporter_warns_once_and_goes_on():
         logging.basicConfig(level=logging.INFO)
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
-        from specd import telemetry
+        from specd.rpc import telemetry
 
         assert telemetry.setup_tracing("specd-test") is False
         assert not isinstance(trace.get_tracer_provider(), TracerProvider)
         print("ok")
     """, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    assert proc.stderr.count("WARNING:specd.telemetry") == 1 and "specd[otel]" in proc.stderr
+    assert proc.stderr.count("WARNING:specd.rpc.telemetry") == 1 and "specd[otel]" in proc.stderr
 
 
 def test_otlp_endpoint_with_the_exporter_installs_a_provider():
@@ -260,7 +260,7 @@ def test_otlp_endpoint_with_the_exporter_installs_a_provider():
     proc = _python("""
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
-        from specd import telemetry
+        from specd.rpc import telemetry
 
         assert telemetry.setup_tracing("specd-test") is True
         provider = trace.get_tracer_provider()

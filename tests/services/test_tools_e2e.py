@@ -21,8 +21,8 @@ import pytest
 
 from json_schemas import SCHEMAS
 from services.gateway import tools
-from specd import chat, model_store
-from specd.tokenizer import Tokenizer
+from specd.models import chat, model_store
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

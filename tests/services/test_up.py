@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
 
 MODEL = "specd-demo-target"
@@ -127,7 +127,7 @@ def test_up_with_tls_serves_https_and_grpc_over_tls(launcher, tmp_path):
     import httpx
     from tls_certs import make_self_signed
 
-    from specd import auth
+    from specd.rpc import auth
     from specd.v1 import verifier_pb2 as pb
     from specd.v1 import verifier_pb2_grpc as pbg
 
@@ -160,7 +160,7 @@ def test_up_with_tls_serves_https_and_grpc_over_tls(launcher, tmp_path):
 
 
 def test_drafter_flags_take_a_model_or_options():
-    from specd.up import parse_drafter
+    from specd.cli.up import parse_drafter
 
     assert parse_drafter("draft_model:/models/d") == ("draft_model", "/models/d")
     assert parse_drafter('suffix:{"suffix_decoding_max_cached_requests": 0}') == (

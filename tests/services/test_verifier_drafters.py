@@ -19,12 +19,12 @@ import pytest
 from faulty_drafters import GARBAGE_MODES, HOSTILE_MODES, start_faulty
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
-from specd.tokenizer import Tokenizer
+from specd.models.tokenizer import Tokenizer
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
-from specd.wire import params_to_proto
+from specd.rpc.wire import params_to_proto
 
 MAX_TOKENS = 48
 MODEL = "specd-demo-target"

@@ -1,5 +1,5 @@
-"""Chat templates: found where a model keeps one (specd.tokenizer.find_chat_template) and
-rendered (specd.chat) as transformers renders them.
+"""Chat templates: found where a model keeps one (specd.models.tokenizer.find_chat_template) and
+rendered (specd.models.chat) as transformers renders them.
 
 Each case copies the demo target's tokenizer files into a fresh directory and puts a distinct
 template in each place a checkpoint may keep one: chat_template.jinja, chat_template.json,
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from specd.chat import chat_prompt_ids, render_chat
-from specd.demo_paths import demo_model_dir
-from specd.tokenizer import Tokenizer
+from specd.models.chat import chat_prompt_ids, render_chat
+from specd.models.demo_paths import demo_model_dir
+from specd.models.tokenizer import Tokenizer
 
 SRC = demo_model_dir("target")
 pytestmark = pytest.mark.skipif(not (SRC / "tokenizer.json").is_file(), reason="the bundled demo target is missing")
@@ -128,7 +128,7 @@ def test_the_demo_targets_own_template_renders_as_transformers():
 
 
 def test_no_template_anywhere_is_a_clear_error(tmp_path):
-    from specd.chat import ChatTemplateError
+    from specd.models.chat import ChatTemplateError
 
     tok = Tokenizer.from_dir(make_model_dir(tmp_path, {}))
     assert tok.chat_template is None
@@ -138,7 +138,7 @@ def test_no_template_anywhere_is_a_clear_error(tmp_path):
 
 def test_template_errors_are_chat_template_errors(tmp_path):
     """raise_exception() in a template (CONFIG wants a system message first) surfaces as one error."""
-    from specd.chat import ChatTemplateError
+    from specd.models.chat import ChatTemplateError
 
     tok = Tokenizer.from_dir(make_model_dir(tmp_path, {"config": CONFIG}))
     with pytest.raises(ChatTemplateError, match="system first"):

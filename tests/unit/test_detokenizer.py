@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from specd.demo_paths import demo_model_dir
-from specd.detokenizer import IncrementalDetokenizer, StopStrings
-from specd.tokenizer import Tokenizer
+from specd.models.demo_paths import demo_model_dir
+from specd.models.detokenizer import IncrementalDetokenizer, StopStrings
+from specd.models.tokenizer import Tokenizer
 
 TEXTS = ["héllo 世界 🎉", "def f(x):\n    return x  # ünïcödé ✓\n", "🎉🎉🎉 emoji-only 👩‍👩‍👧", "plain ascii"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.demo_paths import demo_model_dir
+from specd.models.demo_paths import demo_model_dir
 from specd.proposers.base import ProposeRequest
 from specd.proposers.draft_model import DraftModelProposer
 from specd.engine.sampler import draft_seed

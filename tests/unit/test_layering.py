@@ -6,9 +6,13 @@ imports inside functions included (a lazy import is still an arrow):
 - the engine never imports a proposer, the CLI or a service: proposers implement the contract in
   specd/engine/proposal.py and reach the engine as objects (LLMEngine's proposer or
   proposer_factory);
-- nothing imports the CLI (specd/cli.py): it is the top, its helpers live where they belong;
-- no import circle among specd's modules, kernels and services (typing-only imports under
-  `if TYPE_CHECKING:` are not arrows at run time and are left out).
+- nothing outside the CLI's room (specd/cli/) imports it: it is the top;
+- serving never imports training: specd/, kernels and services import nothing of specd_train
+  (training/, its own package); the CLI names training's commands as strings;
+- the rooms of specd/ (engine, proposers, models, rpc, cli) each have a docstring that says
+  what the room is for;
+- no import circle among specd's modules, kernels, services and training (typing-only imports
+  under `if TYPE_CHECKING:` are not arrows at run time and are left out).
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ REPO = Path(specd.__file__).resolve().parent.parent
 SERVICE_PACKAGES = ("specd.gateway", "specd.verifier", "specd.drafter")
 # pyproject's package-dir: where the specd.* packages outside specd/ live
 ROOTS = {"specd": REPO / "specd", "specd.kernels": REPO / "kernels", "specd.gateway": REPO / "services" / "gateway",
-         "specd.verifier": REPO / "services" / "verifier", "specd.drafter": REPO / "services" / "drafter"}
+         "specd.verifier": REPO / "services" / "verifier", "specd.drafter": REPO / "services" / "drafter",
+         "specd_train": REPO / "training" / "specd_train"}
+ROOMS = ("engine", "proposers", "models", "rpc", "cli")
 
 
 def _imports(path: Path, module: str = ""):
@@ -116,13 +122,25 @@ def test_core_never_imports_services():
 
 
 def test_the_engine_imports_no_proposer_cli_or_service():
-    assert not _offenders("specd.engine", ("specd.proposers", "specd.cli", "specd.up", *SERVICE_PACKAGES))
+    assert not _offenders("specd.engine", ("specd.proposers", "specd.cli", *SERVICE_PACKAGES))
 
 
 def test_nothing_imports_the_cli():
-    offenders = [f"{n}: {m}" for n, p in _modules().items() if n != "specd.cli"
+    offenders = [f"{n}: {m}" for n, p in _modules().items() if n != "specd.cli" and not n.startswith("specd.cli.")
                  for m in _imports(p, n) if m == "specd.cli" or m.startswith("specd.cli.")]
     assert not offenders, offenders
+
+
+def test_serving_never_imports_training():
+    offenders = [f"{n}: {m}" for n, p in _modules().items() if not n.startswith("specd_train")
+                 for m in _imports(p, n) if m.split(".")[0] == "specd_train"]
+    assert not offenders, offenders
+
+
+def test_each_room_says_what_it_is_for():
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse((REPO / "specd" / room / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 8, f"specd/{room}/__init__.py: no docstring saying what the room is for"
 
 
 def test_no_import_circles():

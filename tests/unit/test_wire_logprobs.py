@@ -5,7 +5,7 @@ import pytest
 
 from specd import SamplingParams
 from specd.v1 import verifier_pb2
-from specd.wire import params_from_proto, params_to_proto
+from specd.rpc.wire import params_from_proto, params_to_proto
 
 
 @pytest.mark.parametrize("logprobs,want,top", [(None, False, 0), (False, False, 0), (True, True, 0), (0, True, 0),

@@ -8,7 +8,7 @@ state dict of the `medusa_head` ModuleList, `{i}.{j}.linear.weight|bias` for the
 releases) or `medusa_lm_head.safetensors`; Medusa-2 style full checkpoints prefix them with
 `medusa_head.`. Medusa builds a head's ResBlocks as `[ResBlock(h)] * n`: one block repeated,
 whose state dict lists it under every index, so loading per index reads it right either way.
-specd's own heads (specd/train_drafter/medusa.py) store no output layers: `specd_lm_head:
+specd's own heads (training/specd_train/drafter/medusa.py) store no output layers: `specd_lm_head:
 "target"` in config.json shares the target's LM head, restricted to the draft vocabulary that
 `d2t` names (EAGLE-3's offsets) when present.
 """

@@ -13,7 +13,7 @@ tie_weights shares emb/head/ln across stages and proj across stages 1..n-1 (the 
 stage-1 tensors are read). scale_input normalises the target state first (no weight) and
 divides it by sqrt(2). state_weight = 0.5 ** (0.5 / n_predict), emb_weight =
 sqrt((1 - state_weight^2) * inner / 2).
-specd's own speculators (specd/train_drafter/mlp_speculator.py) store no `emb.*` or `head.*`:
+specd's own speculators (training/specd_train/drafter/mlp_speculator.py) store no `emb.*` or `head.*`:
 `specd_embeddings: "target"` and `specd_lm_head: "target"` in config.json share the target's
 embeddings and LM head (inner = emb_dim), the head restricted to the draft vocabulary that
 `d2t` names (EAGLE-3's offsets) when present.

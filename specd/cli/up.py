@@ -1,0 +1,347 @@
+"""`specd up`: the whole stack on one machine — drafters, verifier and gateway as separate
+processes talking gRPC on loopback. Waits until every one is healthy, prints the URL, and
+stops them all on Ctrl-C or SIGTERM (a child that dies takes the stack down with a message).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HELP = "start gateway + verifier + drafters on this machine (default: SmolLM2-135M-Instruct and its drafter)"
+READY_TIMEOUT_S = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--drafter", action="append", default=None, metavar="METHOD[:MODEL]",
+                   help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
+                        "(OPTIONS: the drafter's --options JSON) "
+                        "(default: draft_model on the default target's trained drafter, and suffix)")
+    p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
+    p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--verifier-port", type=int, default=50051,
+                   help="the verifier's gRPC port; with --replicas N, replica i listens on this + i")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="verifier processes (each its own target and KV cache, all sharing the drafters) "
+                        "behind the one gateway, which routes by load (default 1)")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded"],
+                   help="how the gateway picks a replica: by a long prompt's first 512 tokens, weighed "
+                        "against load (prefix, default), or by load alone")
+    p.add_argument("--drafter-port", type=int, default=50061, help="first drafter port; the next ones count up")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="verifier /metrics port (replica i: this + i); drafters use the next ones (default: "
+                        "each service's gRPC port + 1000; 0: off). The gateway serves its own /metrics")
+    p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="verifiers recompute every prompt (no KV reuse across requests)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the verifier (default: the cores this process may use but one, at most 8)")
+    p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipelined drafting for the draft_model drafter (it drafts ahead while the verifier "
+                        "verifies; worth it when drafters have cores of their own)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-key", default=None, help="enables the gateway's /admin/* with this key")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve every hop over TLS with this certificate (it must name 127.0.0.1 and --host): "
+                        "gRPC between the services and HTTPS at the gateway")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA bundle the services verify each other against (default: the certificate itself)")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="shared secret of the gRPC hops (default: $SPECD_AUTH_TOKEN, else a new random one, "
+                        "left for `specd drafters` in $SPECD_CACHE/up/verifier-PORT.token)")
+    p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
+
+
+def metrics_ports(args, num_drafters: int, num_replicas: int = 1) -> tuple[int, list[int]]:
+    """The verifier's (replica 0's) and the drafters' metrics ports (0: off). --metrics-port N: N
+    (replica i: N+i, replica_metrics_port), then the next ones for the drafters; by default each
+    service's own rule (specd.rpc.metrics_port), where a port the OS would pick is picked here, so
+    the ports can be printed."""
+    if args.metrics_port is not None:
+        n = args.metrics_port
+        return n, [n + num_replicas + i if n else 0 for i in range(num_drafters)]
+    return _derived_metrics_port(args.verifier_port), [_derived_metrics_port(args.drafter_port + i)
+                                                       for i in range(num_drafters)]
+
+
+def replica_metrics_port(args, first: int, i: int) -> int:
+    """Replica i's metrics port, given replica 0's (from metrics_ports)."""
+    if i == 0 or args.metrics_port is not None:
+        return first + i if first else 0
+    return _derived_metrics_port(args.verifier_port + i)
+
+
+def _derived_metrics_port(grpc_port: int) -> int:
+    from specd.rpc.metrics_port import default_metrics_port
+
+    return default_metrics_port(grpc_port) or _free_port()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_threads() -> int:
+    """The verifier's threads: the cores we may run on but one, at most 8. The gateway, the
+    drafters and the verifier's own event loop wake up for every token; where they land on a core
+    the verifier computes on, its OpenMP threads wait for each other at every barrier: on a 2-core
+    AMD EPYC, plain decode over HTTP gave 58 tok/s with 1 verifier thread and 46-57 with 2 (in
+    process: 60 and 91), 2026-11-25. Drafters draft while the verifier waits for them, so they
+    share the cores instead of taking some away."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores - 1))
+
+
+def parse_drafter(value: str) -> tuple[str, str | None]:
+    """METHOD[:MODEL] for draft_model, METHOD[:JSON options] for ngram and suffix -> (method, model or options)."""
+    method, _, rest = value.partition(":")
+    if method not in ("draft_model", "ngram", "suffix"):
+        raise ValueError(f"--drafter: unknown method {method!r} (draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS])")
+    if rest and method != "draft_model":
+        try:
+            if not isinstance(json.loads(rest), dict):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--drafter: {method} takes JSON options after the colon (e.g. "
+                             f"suffix:{{\"suffix_decoding_max_cached_requests\": 0}}), got {rest!r}") from None
+    return method, rest or None
+
+
+class Stack:
+    """Child processes with prefixed output; stop() terminates them all (then kills stragglers).
+    Every child gets the stack's shared secret in its environment (never on a command line)."""
+
+    def __init__(self, secret: str | None = None):
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.secret = secret
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        from specd.rpc.auth import TOKEN_ENV
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.secret:
+            env[TOKEN_ENV] = self.secret
+        proc = subprocess.Popen([sys.executable, "-m", "specd.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
+        threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
+        self.children.append((name, proc))
+        return proc
+
+    @staticmethod
+    def _relay(name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            sys.stderr.write(f"[{name}] {line}")
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, proc in reversed(self.children):  # gateway first: no new requests while the rest stops
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in self.children:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def grpc_serving(address: str, security=None) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specd.rpc import auth
+
+    try:
+        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str, ca: str | None = None) -> bool:
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    try:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def drafters_registered(address: str, names: list[str], security=None) -> bool:
+    import grpc
+
+    from specd.rpc import auth
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+    try:
+        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
+            reply = verifier_pb2_grpc.VerifierStub(channel).ListDrafters(verifier_pb2.ListDraftersRequest(),
+                                                                         timeout=1.0)
+    except grpc.RpcError:
+        return False
+    healthy = {d.name for d in reply.drafters if d.healthy}
+    return all(n in healthy for n in names)
+
+
+def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threading.Event,
+               timeout: float = READY_TIMEOUT_S) -> None:
+    pending = list(checks)
+    deadline = time.monotonic() + timeout
+    while pending and not stopping.is_set():
+        dead = stack.dead()
+        if dead:
+            raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in dead) + " (its log is above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy after {timeout:.0f} s: {', '.join(n for n, _ in pending)}")
+        pending = [(n, check) for n, check in pending if not check()]
+        if pending:
+            time.sleep(0.25)
+
+
+def run(args) -> int:
+    from specd.models import model_store
+
+    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
+    threads = args.threads or default_threads()
+    target = args.target or model_store.default_target()
+    if any(m == "draft_model" and not model for m, model in drafters):
+        if args.target:
+            raise ValueError("--drafter draft_model needs a model (draft_model:DIR) when --target is not the default")
+        drafters = [(m, model or model_store.default_drafter()) if m == "draft_model" else (m, model)
+                    for m, model in drafters]
+    from specd.rpc import auth
+
+    # The stack's gRPC hops authenticate with one secret; its drafters hold it too, so they are
+    # registered trusted (their sparse q is used). `specd drafters` finds it in the token file.
+    secret = auth.read_secret(args.auth_token_file) or auth.generate_secret()
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    verifiers = [f"127.0.0.1:{args.verifier_port + i}" for i in range(args.replicas)]
+    drafter_ports = {args.drafter_port + i for i in range(len(drafters))}
+    if drafter_ports & {args.verifier_port + i for i in range(args.replicas)}:
+        raise ValueError(f"--replicas {args.replicas} from --verifier-port {args.verifier_port} overlaps the "
+                         f"drafter ports from --drafter-port {args.drafter_port}: move one of them")
+    verifier = verifiers[0]
+    tls_ca = args.tls_ca or args.tls_cert
+    security = auth.Security(secret=secret, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=tls_ca)
+    server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
+    client_tls = ["--tls-ca", tls_ca] if tls_ca else []
+    scheme = "https" if args.tls_cert else "http"
+    token_file = auth.up_token_file(verifier)
+    for address in verifiers:  # `specd drafters --verifier ADDRESS` finds it for any replica
+        auth.write_secret(auth.up_token_file(address), secret)
+    stack = Stack(secret)
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    log = ["--log-level", args.log_level]
+    verifier_metrics, drafter_metrics = metrics_ports(args, len(drafters), args.replicas)
+    metrics_urls = [("gateway", f"{scheme}://{args.host}:{args.port}/metrics")]
+    try:
+        checks, drafter_flags, names = [], [], []
+        for i, (method, model) in enumerate(drafters):
+            name = method if sum(m == method for m, _ in drafters) == 1 else f"{method}-{i}"
+            port = args.drafter_port + i
+            argv = ["drafter", "--method", method, "--name", name, "--port", str(port),
+                    "--metrics-port", str(drafter_metrics[i]), "--threads", str(args.drafter_threads), *log,
+                    *server_tls]
+            if method == "draft_model":
+                argv += ["--model", model] + (["--pipeline"] if args.pipeline else [])
+            elif model:
+                argv += ["--options", model]
+            stack.start(f"drafter {name}", argv)
+            checks.append((f"drafter {name}", lambda a=f"127.0.0.1:{port}": grpc_serving(a, security)))
+            drafter_flags += ["--trusted-drafter", f"{name}=127.0.0.1:{port}"]
+            names.append(name)
+            if drafter_metrics[i]:
+                metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
+        replica_names = ["verifier"] if args.replicas == 1 else [f"verifier {i}" for i in range(args.replicas)]
+        for i, (name, address) in enumerate(zip(replica_names, verifiers)):
+            # Every replica registers the same drafters: they share them (a drafter keys its
+            # sequences by client, one client id per verifier process).
+            metrics_port = replica_metrics_port(args, verifier_metrics, i)
+            argv = ["verifier", "--model", target, "--port", address.rpartition(":")[2], "--metrics-port",
+                    str(metrics_port), "--threads", str(threads), *drafter_flags, *log, *server_tls,
+                    *client_tls]
+            if metrics_port:
+                metrics_urls.insert(1 + i, (name, f"http://127.0.0.1:{metrics_port}/metrics"))
+            if args.no_speculation:
+                argv.append("--no-speculation")
+            if args.speculative_config:
+                argv += ["--speculative-config", args.speculative_config]
+            if args.max_model_len:
+                argv += ["--max-model-len", str(args.max_model_len)]
+            if args.no_prefix_caching:
+                argv.append("--no-prefix-caching")
+            stack.start(name, argv)
+            checks.append((name, lambda a=address: grpc_serving(a, security)
+                           and drafters_registered(a, names, security)))
+        argv = ["gateway", "--verifier", ",".join(verifiers), "--host", args.host, "--port", str(args.port), *log,
+                *client_tls, "--routing", args.routing]
+        if args.tls_cert:
+            argv += ["--ssl-certfile", args.tls_cert, "--ssl-keyfile", args.tls_key]
+        for flag, value in (("--api-key", args.api_key), ("--admin-key", args.admin_key)):
+            if value:
+                argv += [flag, value]
+        stack.start("gateway", argv)
+        checks.append(("gateway", lambda: http_ok(f"{scheme}://{args.host}:{args.port}/health", tls_ca)))
+        wait_ready(stack, checks, stopping)
+        if stopping.is_set():
+            return 0
+        url = f"{scheme}://{args.host}:{args.port}/v1"
+        model_name = os.path.basename(target.rstrip("/"))
+        replicas = f"{args.replicas} verifier replicas; " if args.replicas > 1 else ""
+        print(f"specd is up: {url}  (OpenAI API; model {model_name}; {replicas}"
+              f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
+        print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
+              + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
+        print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it"
+              + (f"; give it --tls-ca {tls_ca})" if tls_ca else ")"), flush=True)
+        print(f"threads: verifier {threads}" + (f", each drafter {args.drafter_threads} (drafters draft while the "
+              "verifier waits for them: they share its cores)" if drafters else "")
+              + "; the verifier picks its dtype (`auto`: bfloat16 where the fused CPU ops build)", flush=True)
+        cacert = f"--cacert {tls_ca} " if tls_ca else ""
+        print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
+              f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
+        reported: set[str] = set()
+        while not stopping.is_set():
+            dead = stack.dead()
+            # A lost replica leaves the others serving (the gateway routes around it); anything else,
+            # or the last replica, takes the stack down.
+            fatal = [(n, c) for n, c in dead if args.replicas == 1 or n not in replica_names]
+            if fatal or len([n for n, _ in dead if n in replica_names]) == args.replicas:
+                raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in (fatal or dead))
+                                   + " (its log is above)")
+            for n, c in dead:
+                if n not in reported:
+                    reported.add(n)
+                    print(f"{n} exited with code {c} (its log is above); the other replicas serve on",
+                          file=sys.stderr, flush=True)
+            stopping.wait(0.5)
+        return 0
+    finally:
+        stack.stop()
+        for address in verifiers:
+            auth.up_token_file(address).unlink(missing_ok=True)

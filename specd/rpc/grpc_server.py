@@ -1,0 +1,80 @@
+"""What every specd gRPC service shares: the aio server with the standard health and
+reflection services, uvloop, and a clean stop on SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.rpc.auth import Security, server_credentials, server_interceptors
+
+log = logging.getLogger("specd")
+
+# Large enough for a full-history resync of a long sequence plus sparse q for a batch.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.so_reuseport", 0)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   # reconnect quickly after a peer restarts (default backoff grows to 2 min)
+                   ("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000),
+                   ("grpc.enable_http_proxy", 0)]
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # not on every platform; asyncio's loop works too
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
+                on_ready: Callable[[], Awaitable[None]] | None = None, name: str = "specd",
+                security: Security | None = None, audience: str = "",
+                on_health: Callable[[health.aio.HealthServicer, list[str]], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM. add_services registers servicers and returns their full names.
+    security: the token callers must send (for `audience`) and TLS; on_health gets the health
+    servicer once serving, for services that report more than "the process is up"."""
+    security = security or Security()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(security, audience) or None)
+    names = add_services(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    creds = server_credentials(security)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        await on_ready()
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if on_health is not None:
+        on_health(health_servicer, ["", *names])
+    log.info("%s listening on %s:%d%s%s", name, host, port, " (TLS)" if creds is not None else "",
+             "" if security.secret else "; gRPC authentication off (no shared secret)")
+    await stop.wait()
+    log.info("%s stopping", name)
+    for service in ("", *names):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2.0)
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
