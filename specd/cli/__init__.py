@@ -162,8 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub.add_parser(name, help=module.HELP))
     for name, module_name in TRAINING_COMMANDS.items():
         if not _training_installed():
-            p = sub.add_parser(name, help="(needs the training package: pip install -e training)")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
+            sub.add_parser(name, help="(needs the training package: pip install -e training)")
             continue
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=module.HELP))
@@ -178,14 +177,15 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TRAINING_COMMANDS and not _training_installed():  # before its arguments are read
+        print(f"error: {TRAINING_MISSING.format(name=argv[0])}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _run_generate(args)
         if args.command in TRAINING_COMMANDS:
-            if not _training_installed():
-                print(f"error: {TRAINING_MISSING.format(name=args.command)}", file=sys.stderr)
-                return 2
             return importlib.import_module(TRAINING_COMMANDS[args.command]).run(args)
         if args.command in SERVICE_COMMANDS:
             return importlib.import_module(SERVICE_COMMANDS[args.command]).run(args)
