@@ -209,6 +209,3 @@ def _one_line(e: Exception) -> str:
     msg = str(e).strip().splitlines()
     return msg[0] if msg else type(e).__name__
 
-
-if __name__ == "__main__":
-    sys.exit(main())
