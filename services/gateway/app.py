@@ -146,7 +146,9 @@ class Gateway:
         single = len(replicas) == 1 and not self.replicas.names  # the single-verifier gateway's answers
         if not replicas:
             return APIError(503, f"verifier: no replica found at {', '.join(self.replicas.addresses)}").response()
-        whys = await asyncio.gather(*(r.check() for r in replicas))
+        whys = [why or r.mismatch for r, why in zip(replicas, await asyncio.gather(*(r.check() for r in replicas)))]
+        for r, why in zip(replicas, whys):
+            self.replicas.checked(r, why)
         if all(whys):
             if single:
                 return APIError(503, f"verifier: {whys[0]}").response()

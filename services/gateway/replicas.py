@@ -68,6 +68,7 @@ class Replica:
         self.why = ""  # why not healthy
         self.load = verifier_pb2.Load()
         self.in_flight = 0  # this gateway's Generate calls on it
+        self.mismatch = ""  # why its last Info rules it out whatever its health (another vocabulary)
         self.routed = 0
 
     def pending(self) -> int:
@@ -252,6 +253,13 @@ class ReplicaSet:
                 if self.vocab_hash and info.vocab_hash != self.vocab_hash:
                     # Another model's token ids would make every output silently wrong: never route there.
                     why = f"serves {info.model_name}, whose vocabulary is not the gateway's"
+                r.mismatch = why
+        self.checked(r, why)
+
+    def checked(self, r: Replica, why: str) -> None:
+        """What a poll or a /health call just found ("" healthy): routing follows it at once (a
+        replica that came up after a failed poll must not wait for the next one: `specd up`
+        reports the stack up when /health finds every replica serving, and requests follow)."""
         if why and r.healthy:
             log.warning("verifier replica %d (%s) not healthy: %s", r.index, r.address, why)
         elif not why and not r.healthy:
