@@ -176,15 +176,18 @@ def grpc_serving(address: str, security=None) -> bool:
         return False
 
 
-def http_ok(url: str, ca: str | None = None) -> bool:
+def http_ok(url: str, ca: str | None = None, all_serving: bool = False) -> bool:
+    """200 from url; with all_serving, a gateway's /health also says every replica serves
+    ("ok", not "degraded"), and that call puts each in its routing at once."""
+    import json
     import ssl
     import urllib.request
 
     context = ssl.create_default_context(cafile=ca) if ca else None
     try:
         with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
-            return reply.status == 200
-    except OSError:
+            return reply.status == 200 and (not all_serving or json.loads(reply.read()).get("status") == "ok")
+    except (OSError, ValueError):
         return False
 
 
@@ -305,7 +308,7 @@ def run(args) -> int:
             if value:
                 argv += [flag, value]
         stack.start("gateway", argv)
-        checks.append(("gateway", lambda: http_ok(f"{scheme}://{args.host}:{args.port}/health", tls_ca)))
+        checks.append(("gateway", lambda: http_ok(f"{scheme}://{args.host}:{args.port}/health", tls_ca, all_serving=True)))
         wait_ready(stack, checks, stopping)
         if stopping.is_set():
             return 0
