@@ -9,6 +9,7 @@ observe: acceptance per sequence feeds the controller and the per-drafter counte
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections import defaultdict
@@ -19,6 +20,8 @@ from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec_controller import SpecController
 from specd.engine.spec_stats import SpecStats
+
+log = logging.getLogger("specd.speculation")
 
 
 class Speculator:
@@ -60,6 +63,12 @@ class Speculator:
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
         plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
                                     base_tokens, self._drafter_names(), pinned)
+        if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
+            c, first = self.controller, decoding[0].seq.seq_id
+            log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s",
+                      len(decoding), c.step_mode, plan[:4], first,
+                      {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
+                      {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()})
         requests, entries = [], []
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):

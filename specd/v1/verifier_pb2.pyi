@@ -112,7 +112,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load", "exact")
+    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load", "exact", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class InfoResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
     max_model_len: int
@@ -131,7 +132,8 @@ class InfoResponse(_message.Message):
     speculation: bool
     load: Load
     exact: bool
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ...) -> None: ...
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -46,7 +46,7 @@ torch.set_num_threads(1)  # as the verifier containers (--threads 1)
 from specd import LLM, SamplingParams
 from specd.models.chat import chat_prompt_ids
 from specd.models.model_store import fetch
-llm = LLM(str(fetch()[0]))  # the checksummed target the images carry; dtype "auto" as the verifier's
+llm = LLM(str(fetch()[0]), dtype=sys.argv[3])  # the checksummed target the images carry, in the stack's dtype
 prompts = [p if isinstance(p, str) else {"prompt_token_ids": chat_prompt_ids(llm.tokenizer, p)}
            for p in json.loads(sys.argv[1])]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=int(sys.argv[2])))
@@ -54,10 +54,13 @@ print(json.dumps([o.text for o in outs]))
 """
 
 
-def offline_reference(prompts: list) -> list[str]:
+def offline_reference(prompts: list, client) -> list[str]:
     """Greedy texts from the offline engine on the host (same weights, dtype, threads as the
-    stack): a str is a completion prompt, a list of messages a chat."""
-    out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS)],
+    stack, whose dtype /v1/models reports: the images have no compiler for the fused bf16 ops,
+    so their `auto` is float32 where the host's is bfloat16): a str is a completion prompt, a
+    list of messages a chat."""
+    dtype = client.models.list().data[0].model_extra["dtype"]
+    out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS), dtype],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -471,7 +471,7 @@ def yaml_service(name: str) -> dict:
 def test_swap_drafter_container_under_load(stack):
     client = openai_client(stack)
     t0 = time.monotonic()
-    reference = offline_reference(PROMPTS)
+    reference = offline_reference(PROMPTS, client)
     report(f"offline reference: {len(PROMPTS)} greedy completions in {time.monotonic() - t0:.1f} s")
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
         plain = [t for t, _ in ex.map(lambda p: complete(client, p, num_speculative_tokens=0), PROMPTS)]

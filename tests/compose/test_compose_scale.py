@@ -150,10 +150,10 @@ def test_scaled_verifiers(scaled_stack):
            f"{time.monotonic() - t0:.1f} s later")
 
     t0 = time.monotonic()
-    reference = offline_reference([[{"role": "user", "content": q}] for q in QUESTIONS])
+    client = openai_client(stack)
+    reference = offline_reference([[{"role": "user", "content": q}] for q in QUESTIONS], client)
     report(f"offline reference: {len(QUESTIONS)} greedy chat completions in {time.monotonic() - t0:.1f} s")
 
-    client = openai_client(stack)
     # The gateway reports a replica healthy from its first poll that finds it serving.
     wait(lambda: _gateway_sees(stack) >= REPLICAS, 120,
          f"the gateway polling {REPLICAS} healthy replicas")

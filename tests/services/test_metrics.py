@@ -232,6 +232,14 @@ def test_exactness_is_reported_the_same_everywhere(stack):
     assert out.model_extra["exact"] is exact
 
 
+def test_the_served_dtype_is_reported(stack):
+    """What the weights compute in (what --dtype auto chose on this machine): the verifier's Info
+    and the gateway's /v1/models (a reference run elsewhere needs it to compare outputs)."""
+    dtype = stack["stub"].Info(pb.InfoRequest(), timeout=10).dtype
+    assert dtype in ("float32", "bfloat16", "float16")
+    assert stack["client"].models.list().data[0].model_extra["dtype"] == dtype
+
+
 def test_rejected_requests_are_counted_by_status(stack):
     import openai
 
