@@ -25,13 +25,16 @@ def target(tmp_path_factory):
     return head_target(tmp_path_factory.mktemp("hpc-target"))
 
 
-def _proposer(layout: str, target, root, **kw) -> HiddenStateProposer:
-    """A proposer for the head of `layout` (written once per test: the same seed, the same head)."""
-    target_dir, model = target
-    head_dir = root / layout
-    method = write_layout(layout, head_dir, model)[0] if not head_dir.exists() else \
-        {"medusa_st": "medusa", "mlp": "mlp_speculator"}.get(layout, layout)
-    return HiddenStateProposer(method, str(head_dir), target_dir, num_speculative_tokens=K, dtype="float32",
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    """layout -> (method, head dir), each written once."""
+    root = tmp_path_factory.mktemp("hpc-heads")
+    return {name: write_layout(name, root / name, target[1])[:2] for name in ("eagle", "eagle3", "medusa_st", "mlp")}
+
+
+def _proposer(layout: str, target, heads, **kw) -> HiddenStateProposer:
+    method, head_dir = heads[layout]
+    return HiddenStateProposer(method, str(head_dir), target[0], num_speculative_tokens=K, dtype="float32",
                                device="cpu", **kw)
 
 
@@ -55,17 +58,17 @@ def _history(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
-def test_a_released_history_serves_the_next_one_from_the_cache(layout, target, tmp_path):
+def test_a_released_history_serves_the_next_one_from_the_cache(layout, target, heads):
     model = target[1]
     shared = _history(1, 40)
     first, second = shared + _history(2, 20), shared + _history(3, 9)
-    cached = _proposer(layout, target, tmp_path)
+    cached = _proposer(layout, target, heads)
     assert _full(cached, model, 1, first).token_ids
     cached.release([1])
     assert cached.prefix_cache.bytes > 0
 
     got = _full(cached, model, 2, second, features_from=32)  # rows of pairs 32.. only
-    fresh = _full(_proposer(layout, target, tmp_path, prefix_cache_mb=0), model, 9, second)
+    fresh = _full(_proposer(layout, target, heads, prefix_cache_mb=0), model, 9, second)
     assert not got.resync and got.token_ids == fresh.token_ids and len(got.token_ids) == K
     # The head now holds pairs 0..31 (two blocks whose pairs read tokens up to 32, all shared) and
     # ran only pairs 32..47 of the second history.
@@ -76,15 +79,15 @@ def test_a_released_history_serves_the_next_one_from_the_cache(layout, target, t
     lacking = _full(cached, model, 3, third, features_from=32)
     assert lacking.resync and lacking.history_held == 16 and 3 not in cached.seqs
     again = _full(cached, model, 3, third, features_from=lacking.history_held)
-    assert not again.resync and again.token_ids == _full(_proposer(layout, target, tmp_path, prefix_cache_mb=0),
+    assert not again.resync and again.token_ids == _full(_proposer(layout, target, heads, prefix_cache_mb=0),
                                                          model, 9, third).token_ids
     stranger = _full(cached, model, 4, _history(5, 50), features_from=32)
     assert stranger.resync and stranger.history_held == 0
 
 
-def test_the_cache_keeps_to_its_budget(target, tmp_path):
+def test_the_cache_keeps_to_its_budget(target, heads):
     model = target[1]
-    proposer = _proposer("eagle", target, tmp_path, prefix_cache_mb=0.01)  # ~10 KB: a few blocks
+    proposer = _proposer("eagle", target, heads, prefix_cache_mb=0.01)  # ~10 KB: a few blocks
     for sid in range(6):
         _full(proposer, model, sid, _history(10 + sid, 64))
         proposer.release([sid])
@@ -95,10 +98,10 @@ def test_the_cache_keeps_to_its_budget(target, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["medusa_st", "mlp"])
-def test_parallel_heads_draft_from_the_last_row_whatever_features_from(layout, target, tmp_path):
+def test_parallel_heads_draft_from_the_last_row_whatever_features_from(layout, target, heads):
     model = target[1]
     history = _history(6, 50)
-    proposer = _proposer(layout, target, tmp_path)
+    proposer = _proposer(layout, target, heads)
     assert proposer.prefix_cache is None
     late = _full(proposer, model, 1, history, features_from=40)
     assert not late.resync and late.token_ids == _full(proposer, model, 2, history).token_ids
