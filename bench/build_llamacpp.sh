@@ -18,6 +18,7 @@
 #         bash bench/build_llamacpp.sh --print-dir   # just print the bin dir
 #         bash bench/build_llamacpp.sh --with-models  # also: converter venv + GGUFs:
 #             $TARGET_HF_DIR (default: the fetched default target, `specd models path target`) -> models/<name>-f32.gguf, -bf16.gguf,
+#             Q8_0 and Q4_K_M quantized from the f32 one (llama-quantize),
 #             and a 2-layer stand-in draft (truncated target) -> models/draft-2l-f32.gguf
 #
 # The converter (convert_hf_to_gguf.py, vendored in the sdist) needs torch,
@@ -45,9 +46,11 @@ BIN_DIR="$BENCH_DIR/bin"
 # do not build it), timing (llama-bench, llama-simple), speculative decoding
 # with a draft model (llama-speculative, llama-speculative-simple), and
 # prompt-lookup / n-gram decoding (llama-lookup, llama-lookahead), and the OpenAI-compatible
-# server (llama-server) that bench/default_stack.py serves side by side with specd.
+# server (llama-server) that bench/default_stack.py serves side by side with specd, and the
+# quantizer and perplexity tool that bench/quant.py compares quantized serving with.
 TARGETS=(llama-completion llama-simple llama-bench llama-speculative
-         llama-speculative-simple llama-lookup llama-lookahead llama-tokenize llama-server)
+         llama-speculative-simple llama-lookup llama-lookahead llama-tokenize llama-server
+         llama-quantize llama-perplexity)
 
 WITH_MODELS=""
 case "${1:-}" in
@@ -158,6 +161,17 @@ if [[ -n "$WITH_MODELS" ]]; then
                 mv "$out.tmp" "$out"
             fi
             log "target GGUF ($t): $out"
+        done
+        # The quantized files users run (bench/quant.py), made from the f32 file as llama.cpp's README does.
+        for q in Q8_0 Q4_K_M; do
+            out="$MODELS/$name-$q.gguf"
+            if [[ ! -s "$out" ]]; then
+                log "quantizing -> $out"
+                "$BIN_DIR/llama-quantize" "$MODELS/$name-f32.gguf" "$out.tmp" "$q" > "$MODELS/quantize_$name-$q.log" 2>&1 \
+                    || { log "quantizing failed, see $MODELS/quantize_$name-$q.log"; exit 1; }
+                mv "$out.tmp" "$out"
+            fi
+            log "target GGUF ($q): $out"
         done
         if [[ ! -s "$MODELS/draft-2l-f32.gguf" ]]; then
             log "making the 2-layer stand-in draft"

@@ -313,7 +313,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // Every decoder layer of a Llama-family model in one call: the same ops in the same order as
 // CausalLM.forward's fused path (so the same bits), without ~10 Python calls per layer, which cost
 // ~14% of a batch-1 decode step of the default target. weights holds, per layer, input norm, qkv,
-// o, post-attention norm, gate_up, down (the matmul weights packed by pack_linear_weight); biases
+// o, post-attention norm, gate_up, down (the matmul weights packed by pack_linear_weight, or uint8:
+// GGUF-quantized, packed by specd/engine/quant.py); biases
 // and out_features, per layer, for qkv, o, gate_up and down. Returns the residual stream after the last layer's attention and that layer's
 // MLP output, left unadded as in the Python path.
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
@@ -338,7 +339,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     }
     auto linear = [&](const at::Tensor& in, int m) {  // m: qkv, o, gate_up, down
       constexpr int weight_index[4] = {1, 2, 4, 5};
-      return specd_cpu::linear(in, w[weight_index[m]], biases.get(4 * j + m), out_features[4 * j + m], false);
+      const at::Tensor& weight = w[weight_index[m]];
+      if (weight.scalar_type() == at::kByte) return specd_cpu::quant_linear(in, weight, biases.get(4 * j + m), false);
+      return specd_cpu::linear(in, weight, biases.get(4 * j + m), out_features[4 * j + m], false);
     };
     auto qkv = linear(y, 0);
     auto q = rotary_write_kv(qkv.view({T, -1, head_dim}), num_heads, cos, sin, k_caches[j], v_caches[j], slots);

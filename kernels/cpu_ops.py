@@ -1,4 +1,5 @@
-"""Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu).
+"""Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu),
+with the bf16 and GGUF-quantized matmuls (cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp).
 
 Compiled once per machine with the C++ compiler torch's extension loader finds, into
 $SPECD_CACHE/torch_extensions/<torch version>-<ISA>; later loads take a second. The ISA is the
@@ -22,9 +23,9 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp", "cpu_quant_matmul.cpp")]
 # ISA -> the CPU flags its -m flags let the compiler use, widest first.
-ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "f16c"), "avx2": ("avx2", "fma", "f16c")}  # f16c: GGUF's fp16 scales
 EMULATED = "avx512-emulated"  # a test build (module docstring): needs AVX2 + FMA and SIMDe's headers
 
 

@@ -101,6 +101,9 @@ class SpeculativeConfig(BaseModel):
     # grammar (the verifier keeps output exact either way; this only saves drafts it would cut)
     draft_structured_outputs: bool = True
     draft_dtype: DType = "auto"  # auto: the target's dtype in-process; a drafter service resolves it as a target would
+    # vLLM's key for the draft model's quantization. None: as the checkpoint comes (a .gguf drafter computes
+    # in its own quantized types on CPU under draft_dtype auto); "gguf": insist on that (an error otherwise)
+    quantization: Literal["gguf"] | None = None
     # acceptance: strict is lossless; typical and synthetic are lossy and reported as such
     rejection_sample_method: Literal["strict", "typical", "synthetic"] = "strict"
     posterior_threshold: float = Field(default=0.09, gt=0, le=1)
@@ -121,6 +124,10 @@ class SpeculativeConfig(BaseModel):
         if self.method not in ("draft_model", *heads) and self.model:
             raise ValueError(f"'model' is only used by method 'draft_model' and hidden-state heads, "
                              f"not {self.method!r}")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError(f"'quantization' is only used by method 'draft_model', not {self.method!r}")
+        if self.quantization == "gguf" and self.draft_dtype != "auto":
+            raise ValueError("quantization 'gguf' serves the drafter in its file's types: leave draft_dtype auto")
         if self.method in heads and not self.target_model:
             raise ValueError(f"method {self.method!r} needs 'target_model' (the target's directory or hub id)")
         if self.method not in heads and self.target_model:

@@ -51,10 +51,11 @@ def bpe_tokenizer(pre: str) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def hf_model(arch: str, out: Path, vocab_size: int) -> Path:
+def hf_model(arch: str, out: Path, vocab_size: int, hidden_size: int = 64, intermediate_size: int = 128) -> Path:
     cls, _, _, tied = ARCHS[arch]
     cfg = getattr(transformers, cls)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
         bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=tied)
     torch.manual_seed(7)
@@ -133,5 +134,80 @@ def write_gguf(path: Path, arch: str, hf_dir: Path, tokenizer, types=None, eos: 
 def add_tensor(w, name: str, v: np.ndarray, qtype) -> None:
     if qtype in (Q.F32, Q.F16):
         w.add_tensor(name, v.astype(np.float32 if qtype == Q.F32 else np.float16))
+    elif qtype in K_QUANTS:
+        w.add_tensor(name, K_QUANTS[qtype](v.astype(np.float32)), raw_dtype=qtype)
+    elif qtype in (Q.Q2_K, Q.Q3_K):  # no quantizer here: valid blocks of random bits (any bytes decode)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(0).integers(0, 256, (v.shape[0], v.shape[1] // block, size), dtype=np.uint8)
+        raw[..., -4:-2] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)  # d, dmin: small weights
+        raw[..., -2:] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+        w.add_tensor(name, raw.reshape(v.shape[0], -1), raw_dtype=qtype)
     else:
         w.add_tensor(name, gguf.quants.quantize(v, qtype), raw_dtype=qtype)
+
+
+# k-quant writers (the gguf package reads these types but does not write them): simple round-to-nearest
+# encoders into llama.cpp's block layouts (ggml-common.h), so a test model holds real k-quant weights.
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).view(np.uint8).reshape(*a.shape, 2)
+
+
+def _k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins per block -> the 12 bytes get_scale_min_k4 reads."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    return out
+
+
+def _k_scale_min(v: np.ndarray, levels: int):
+    """v [n, 8, 32] -> (d, dmin, sc, m, q): v ~ d sc q - dmin m with q in [0, levels]."""
+    lo, hi = np.minimum(v.min(-1), 0), v.max(-1)
+    scale, mins = (hi - lo) / levels, -lo
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(-1) / 63).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.clip(np.round(scale / d[:, None]), 0, 63)).astype(np.uint8)
+        m = np.nan_to_num(np.clip(np.round(mins / dmin[:, None]), 0, 63)).astype(np.uint8)
+        step = d[:, None] * sc
+        q = np.nan_to_num(np.round((v + (dmin[:, None] * m)[..., None]) / step[..., None]))
+    return d, dmin, sc, m, np.clip(q, 0, levels).astype(np.uint8)
+
+
+def q4_k(w: np.ndarray) -> np.ndarray:
+    rows = w.shape[0]
+    v = w.reshape(-1, 8, 32)
+    d, dmin, sc, m, q = _k_scale_min(v, 15)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16(d), _f16(dmin), _k4_scales(sc, m), qs], axis=1).reshape(rows, -1)
+
+
+def q5_k(w: np.ndarray) -> np.ndarray:
+    rows = w.shape[0]
+    v = w.reshape(-1, 8, 32)
+    d, dmin, sc, m, q = _k_scale_min(v, 31)
+    qh = np.zeros((v.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j] >> 4) & 1) << j
+    low = q & 0xF
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16(d), _f16(dmin), _k4_scales(sc, m), qh, qs], axis=1).reshape(rows, -1)
+
+
+def q6_k(w: np.ndarray) -> np.ndarray:
+    rows = w.shape[0]
+    v = w.reshape(-1, 16, 16)
+    scale = np.abs(v).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.clip(np.round(scale / d[:, None]), -128, 127)).astype(np.int8)
+        q = np.nan_to_num(np.round(v / (d[:, None] * sc)[..., None]))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [block, half, quarter, l]
+    ql = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4],
+                        axis=2).reshape(-1, 128)
+    qh = (q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6).reshape(-1, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), _f16(d)], axis=1).reshape(rows, -1)
+
+
+K_QUANTS = {Q.Q4_K: q4_k, Q.Q5_K: q5_k, Q.Q6_K: q6_k}

@@ -10,7 +10,7 @@ import torch
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.models.detokenizer import StopChecker
 from specd.engine.block_manager import BlockManager
-from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from specd.engine.loader import default_device, load_checkpoint, open_checkpoint
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
 from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
@@ -52,13 +52,11 @@ class LLMEngine:
         loaded (specd.proposers.factory.in_process_proposer: specd.LLM and the verifier pass it).
         The engine never imports a proposer (docs/architecture.md, the import rules)."""
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        self.arch = read_arch_config(self.model_dir)
         self.device = default_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.arch, self.device)
+        ckpt = open_checkpoint(config.model, config.dtype, self.device)
+        self.model_dir, self.arch, self.dtype = ckpt.dir, ckpt.arch, ckpt.dtype
         self.max_model_len = self._max_model_len(config)
-        self.model = load_model(self.model_dir, self.arch, self.dtype, self.device, self.max_model_len,
-                                config.batch_invariant)
+        self.model = load_checkpoint(ckpt, self.device, self.max_model_len, config.batch_invariant)
         num_blocks = self._num_kv_blocks(config)
         # Cached blocks' hashes are salted with the weights' fingerprint: equal hashes mean equal
         # tokens on this model (a cache never outlives its model; the salt says so in the key).

@@ -6,6 +6,7 @@ import logging
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,13 +42,14 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n)
 
 
-def resolve_model_dir(model: str) -> Path:
+def resolve_model_dir(model: str, weights: bool = True) -> Path:
     """A local directory, a GGUF file (or a directory holding one and no config.json) converted
-    once into the cache, or a hub id fetched (or found in the local hub cache)."""
+    once into the cache (with weights=False its config and tokenizer only), or a hub id fetched
+    (or found in the local hub cache)."""
     path = Path(model).expanduser()
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return gguf_model_dir(gguf_file)
+        return gguf_model_dir(gguf_file, weights)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {model!r} has no config.json")
@@ -65,20 +67,22 @@ def resolve_model_dir(model: str) -> Path:
         ) from None
 
 
-def gguf_model_dir(gguf_file: Path) -> Path:
-    """The Hugging Face directory converted from `gguf_file`: cache_root()/gguf/<sha256[:16]>/.
+def gguf_model_dir(gguf_file: Path, weights: bool = True) -> Path:
+    """The Hugging Face directory converted from `gguf_file`: cache_root()/gguf/<sha256[:16]>/, or
+    <sha256[:16]>-meta/ with config and tokenizer only (weights=False; the full one serves too).
 
     Keyed by content, so a renamed or re-downloaded file reuses it and an edited one does not.
     The conversion goes to a temp dir beside it and is renamed into place (atomic), so the
     directory exists only when complete: a crash mid-conversion leaves nothing to trust.
     """
-    out = cache_root() / "gguf" / file_sha256(gguf_file)[:16]
-    if out.is_dir():
-        return out
+    full = cache_root() / "gguf" / file_sha256(gguf_file)[:16]
+    out = full if weights else full.with_name(full.name + "-meta")
+    if full.is_dir() or out.is_dir():
+        return full if full.is_dir() else out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        convert_gguf(gguf_file, tmp)
+        convert_gguf(gguf_file, tmp, weights)
         try:
             tmp.rename(out)
         except OSError:
@@ -127,6 +131,48 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> to
     return DTYPES.get(arch.torch_dtype or "", torch.bfloat16) if arch.torch_dtype != "float32" else torch.float32
 
 
+@dataclass
+class Checkpoint:
+    """What a --model argument names, resolved: the directory with its config and tokenizer, the
+    architecture, the dtype served (activations and KV cache) and, for a GGUF file served in its
+    own quantized types, the file."""
+    dir: Path
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    gguf: Path | None = None
+
+
+def open_checkpoint(model: str, dtype: str, device: torch.device) -> Checkpoint:
+    """A GGUF file with quantized matmuls loads in its own types on CPU under dtype auto (with
+    bfloat16 activations), where the fused CPU ops build; an explicit dtype dequantizes it."""
+    gguf_file = find_gguf(Path(model).expanduser())
+    if gguf_file is not None and dtype == "auto" and device.type == "cpu":
+        from specd.engine.gguf_weights import has_quantized_matmuls
+
+        if has_quantized_matmuls(gguf_file):
+            if cpu_bfloat16_is_fast():
+                model_dir = resolve_model_dir(model, weights=False)
+                return Checkpoint(model_dir, read_arch_config(model_dir), torch.bfloat16, gguf_file)
+            log.warning("%s: no quantized CPU kernels on this machine (the fused ops did not build); "
+                        "its weights are dequantized", gguf_file)
+    model_dir = resolve_model_dir(model)
+    arch = read_arch_config(model_dir)
+    return Checkpoint(model_dir, arch, resolve_dtype(dtype, arch, device))
+
+
+def load_checkpoint(ckpt: Checkpoint, device: torch.device, max_positions: int,
+                    batch_invariant: bool = True) -> CausalLM:
+    if ckpt.gguf is None:
+        return load_model(ckpt.dir, ckpt.arch, ckpt.dtype, device, max_positions, batch_invariant)
+    from specd.engine.gguf_weights import load_gguf_model
+
+    model = load_gguf_model(ckpt.gguf, ckpt.arch, max_positions)
+    # Keyed by the file's content: what the prefix cache salts its hashes with.
+    model.fingerprint = "gguf-" + file_sha256(ckpt.gguf)[:27]
+    log.info("%s: matmuls in the file's own types (%s), bfloat16 activations", ckpt.gguf.name, model.quantization)
+    return _prepared(model, None, ckpt.dtype, device, batch_invariant)
+
+
 def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, batch_invariant: bool = True) -> CausalLM:
     with torch.device("meta"):
@@ -154,6 +200,12 @@ def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, devic
         if not ids or not all(0 <= i < arch.vocab_size for i in ids):
             raise ValueError(f"{draft_vocab}: ids must be a non-empty list within [0, {arch.vocab_size})")
         head_ids = torch.tensor(ids, dtype=torch.long)
+    return _prepared(model, head_ids, dtype, device, batch_invariant)
+
+
+def _prepared(model: CausalLM, head_ids: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+              batch_invariant: bool) -> CausalLM:
+    """The matmul paths chosen, then the self-test of batch-invariant mode on the real forward."""
     model.prepare(head_ids, batch_invariant)
     failures = forward_invariance_failures(model) if batch_invariant else []
     if failures:

@@ -14,6 +14,7 @@ from torch import nn
 from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
 from specd.engine.linear import InvariantCpuLinear, adopt_linears, fast_linear
 from specd.engine.model_config import ModelArchConfig
+from specd.engine.quant import QuantLinear
 from specd.engine.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -150,6 +151,9 @@ class CausalLM(nn.Module):
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
         self.fingerprint = ""  # of the loaded weights (specd/engine/fingerprint.py), set by the loader
+        # A GGUF file's matmul types where they stay quantized (specd/engine/gguf_weights.py), e.g.
+        # "Q8_0 100%"; None for float weights.
+        self.quantization: str | None = None
         # Batch-invariant mode is on and passed the loader's self-test (specd/engine/exactness.py):
         # greedy output does not depend on batching or speculation.
         self.exact = False
@@ -165,11 +169,14 @@ class CausalLM(nn.Module):
         machine's kernels keep that promise is checked on the real forward by the loader
         (specd/engine/exactness.py), which turns the mode off where they do not."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if head_ids is not None:
-            self.head_ids = head_ids.to(weight.device)
-            weight = weight.index_select(0, self.head_ids).contiguous()
         max_rows = INVARIANT_MAX_ROWS if batch_invariant else None
-        self.head = fast_linear(weight, max_rows=max_rows)
+        if self.head is None:  # (a GGUF loader builds its quantized head itself)
+            if head_ids is not None:
+                self.head_ids = head_ids.to(weight.device)
+                weight = weight.index_select(0, self.head_ids).contiguous()
+            self.head = fast_linear(weight, max_rows=max_rows)
+        elif head_ids is not None:
+            raise ValueError("a draft vocabulary (draft_vocab.json) needs float weights, not a quantized head")
         adopt_linears(self.model, max_rows)
         fused = self.use_fused_ops(weight.device, weight.dtype)
         self.stack = self.stack_tensors() if fused else None
@@ -189,11 +196,13 @@ class CausalLM(nn.Module):
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]] | None:
         """decoder_stack's per-layer weights (norms and packed matmuls), biases and output sizes, or
-        None where it does not apply: q/k norms, a matmul not packed, or windows that differ by layer."""
+        None where it does not apply: q/k norms, a matmul not packed (bf16 or GGUF-quantized), or
+        windows that differ by layer."""
         layers = self.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if (layers[0].self_attn.q_norm is not None or not all(isinstance(m, InvariantCpuLinear) for m in linears)
+        if (layers[0].self_attn.q_norm is not None
+                or not all(isinstance(m, (InvariantCpuLinear, QuantLinear)) for m in linears)
                 or len({layer.self_attn.window for layer in layers}) != 1):
             return None
         weights = []

@@ -71,8 +71,9 @@ def find_gguf(path: Path) -> Path | None:
     return None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Write config.json, generation_config.json, model.safetensors (float32), tokenizer.json,
+def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Path:
+    """Write config.json, generation_config.json, model.safetensors (float32; not with weights=False:
+    a file served in its own types is read by specd/engine/gguf_weights.py), tokenizer.json,
     tokenizer_config.json and chat_template.jinja for `gguf_path` into `out_dir`."""
     import gguf
     from safetensors.numpy import save_file
@@ -81,7 +82,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     meta = _Meta(reader, gguf_path)
     config, permute_qk = _config(meta)
     tensors = {}
-    for t in reader.tensors:
+    names = {_hf_name(t.name, gguf_path) for t in reader.tensors}
+    for t in reader.tensors if weights else []:
         name = _hf_name(t.name, gguf_path)
         if name is None:
             continue
@@ -95,11 +97,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             w = _unpermute(w, heads)
         tensors[name] = np.ascontiguousarray(w)
-    if "model.embed_tokens.weight" not in tensors:
+    if "model.embed_tokens.weight" not in names:
         raise GGUFError(f"{gguf_path}: no token_embd.weight tensor")
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    config["tie_word_embeddings"] = "lm_head.weight" not in names
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json",
                 {k: v for k, v in (("bos_token_id", config.get("bos_token_id")),

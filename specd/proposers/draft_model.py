@@ -33,7 +33,7 @@ from specd.proposers.base import Proposal, ProposeRequest
 from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.pipeline import record_alternatives
 from specd.engine.block_manager import BlockManager
-from specd.engine.loader import default_device, load_model, read_arch_config, resolve_dtype, resolve_model_dir
+from specd.engine.loader import default_device, load_checkpoint, open_checkpoint
 from specd.engine.model_runner import ModelRunner
 from specd.engine.scheduler import ScheduledSeq
 from specd.engine.sampler import draft_seed
@@ -49,14 +49,13 @@ class DraftModelProposer:
                  sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
                  batch_invariant: bool = True, tree_branching: list[int] | None = None,
                  tree_max_nodes: int = 32, tree_dynamic: bool = False, mask_structured: bool = True):
-        model_dir = resolve_model_dir(model)
-        self.arch = read_arch_config(model_dir)
         self.device = device if isinstance(device, torch.device) else default_device(device)
-        self.dtype = resolve_dtype(dtype, self.arch, self.device)
+        ckpt = open_checkpoint(model, dtype, self.device)  # a GGUF drafter serves in its own types
+        self.arch, self.dtype = ckpt.arch, ckpt.dtype
         self.max_model_len = min(max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         # Batch-invariant like the target, so a greedy draft does not depend on the drafter's batch.
-        self.model = load_model(model_dir, self.arch, self.dtype, self.device, self.max_model_len, batch_invariant)
+        self.model = load_checkpoint(ckpt, self.device, self.max_model_len, batch_invariant)
         per_seq = -(-self.max_model_len // block_size)
         num_blocks = num_blocks or per_seq * 64
         # Its own prefix cache: a new sequence whose prompt starts like an earlier one's (a shared
@@ -73,7 +72,7 @@ class DraftModelProposer:
             secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, Sequence] = {}
         # chains mask their drafts with a constrained request's grammar (trees draft unmasked)
-        self.grammar = DraftGrammars(model_dir, self.arch.vocab_size, self.arch.eos_token_ids,
+        self.grammar = DraftGrammars(ckpt.dir, self.arch.vocab_size, self.arch.eos_token_ids,
                                      enabled=mask_structured and not self.tree_branching)
 
     @property

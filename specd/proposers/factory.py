@@ -1,9 +1,12 @@
 """Build a proposer from a SpeculativeConfig (the offline engine and the drafter service share it)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from specd.config import SpeculativeConfig
+from specd.models.gguf_convert import find_gguf
 
 
 def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device: torch.device | str = "cpu",
@@ -62,7 +65,12 @@ def in_process_proposer(spec: SpeculativeConfig, engine):
     if spec.method is None:
         raise ValueError("speculative config needs 'method' (ngram, suffix or draft_model) "
                          "when no drafter service provides proposals")
-    if spec.draft_dtype == "auto":  # a draft model in this process computes in the target's dtype
+    gguf_drafter = spec.method == "draft_model" and find_gguf(Path(spec.model).expanduser()) is not None
+    if spec.quantization == "gguf" and not gguf_drafter:
+        raise ValueError(f"speculative config: quantization 'gguf' needs a .gguf draft model, not {spec.model!r}")
+    # A draft model in this process computes in the target's dtype; a .gguf one in its own types
+    # (bfloat16 activations), unless draft_dtype names a dtype to dequantize it to.
+    if spec.draft_dtype == "auto" and not gguf_drafter:
         spec = spec.model_copy(update={"draft_dtype": str(engine.dtype).removeprefix("torch.")})
     # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts correlated
     # with the acceptance uniforms); derived from it, runs stay reproducible.

@@ -197,7 +197,7 @@ def test_conversion_is_cached_in_specd_cache(tiny, tmp_path, monkeypatch):
 def test_a_crash_mid_conversion_leaves_nothing(tiny, tmp_path, monkeypatch):
     import specd.engine.loader as loader
 
-    def crash(gguf_path, out_dir):
+    def crash(gguf_path, out_dir, weights=True):
         (out_dir / "config.json").write_text("{}")  # half written
         raise KeyboardInterrupt
 

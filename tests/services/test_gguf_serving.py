@@ -2,7 +2,8 @@
 FILE.gguf` with `specd gateway` beside it. No tokenizer directory exists anywhere (the file holds
 its tokenizer and chat template): the gateway takes the verifier's over gRPC. Chat through the
 official client must use the file's own template (the prompt's token count) and give the offline
-engine's greedy text for the same file."""
+engine's greedy text for the same file. Everything runs with the defaults, so where the fused CPU ops
+build the file is served in its own quantized types (specd/engine/gguf_weights.py), as offline."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,11 @@ def offline(gguf_file):
     from specd import LLM, SamplingParams
     from specd.models.chat import chat_prompt_ids
 
-    llm = LLM(str(gguf_file), dtype="float32", device="cpu")
+    from specd.kernels import cpu_ops
+
+    llm = LLM(str(gguf_file), device="cpu")
+    # Q8_0, Q4_0 and Q4_1 parts stay quantized; the part of gate_up stored F16 makes that linear bf16
+    assert (llm.engine.model.quantization is not None) == cpu_ops.available()
     out = []
     for messages in MESSAGES:
         ids = chat_prompt_ids(llm.tokenizer, messages)
@@ -59,8 +64,7 @@ def _chat_like_offline(base_url: str, offline) -> None:
 
 
 def test_verifier_and_gateway_serve_a_gguf_file(gguf_file, offline, launcher):
-    verifier = launcher.start("verifier", "verifier", ["--model", str(gguf_file), "--dtype", "float32",
-                                                       "--no-speculation"])
+    verifier = launcher.start("verifier", "verifier", ["--model", str(gguf_file), "--no-speculation"])
     gateway = launcher.start("gateway", "gateway", ["--verifier", verifier.address], http=True)
     assert not (gguf_file.parent / "tokenizer.json").exists()
     _chat_like_offline(f"http://{gateway.address}/v1", offline)

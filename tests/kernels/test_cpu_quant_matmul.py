@@ -1,0 +1,155 @@
+"""kernels/cpu_quant_matmul.cpp: matmuls on GGUF's packed blocks, against the gguf package.
+
+Blocks of the legacy types are made by the gguf package's own quantizer; the k-quants (which it
+reads but does not write) are random bytes with fp16 scales of a sane size, which exercises every
+bit of their layouts. The reference is the gguf package's dequantization, times x in float32.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from specd.engine.quant import KERNEL_TYPES, QuantPart, pack  # noqa: E402
+from specd.kernels import cpu_ops  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the fused CPU ops did not build here")
+TYPES = [Q(t) for t in KERNEL_TYPES]
+# x is quantized to 8 bits per 32 values, as llama.cpp does: each product's error is at most half a
+# step of x's block (|x|max / 254), so a dot product's error stays well under 1% of the largest output
+# on these random inputs (measured 0.5-0.6%); a wrong scale, nibble or permutation is off by ~100%.
+TOLERANCE = 0.02
+
+
+def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    block, size = KERNEL_TYPES[int(qtype)]
+    if block == 32:
+        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = np.frombuffer(np.float16(0.0005).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def packed_from(tmp_path, parts: list[tuple[Q, np.ndarray]]) -> torch.Tensor:
+    """parts written one after another to a file, then packed from it as the loader does."""
+    path = tmp_path / "w.bin"
+    qparts, offset = [], 0
+    with open(path, "wb") as f:
+        for i, (qtype, raw) in enumerate(parts):
+            f.write(raw.tobytes())
+            block, _ = KERNEL_TYPES[int(qtype)]
+            qparts.append(QuantPart(f"t{i}", int(qtype), raw.shape[0], raw.shape[1] // KERNEL_TYPES[int(qtype)][1] * block,
+                                    str(path), offset))
+            offset += raw.nbytes
+    return pack(qparts)
+
+
+def reference(parts: list[tuple[Q, np.ndarray]]) -> torch.Tensor:
+    return torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, q).reshape(raw.shape[0], -1)) for q, raw in parts])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantized_rows_are_the_gguf_packages_values(tmp_path, qtype):
+    parts = [(qtype, blocks(qtype, 24, 512))]
+    p = packed_from(tmp_path, parts)
+    ids = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(torch.ops.specd_cpu.quant_dequantize_rows(p, ids), reference(parts)[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_matmul_matches_the_dequantized_weight(tmp_path, qtype):
+    parts = [(qtype, blocks(qtype, 40, 512))]
+    p = packed_from(tmp_path, parts)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    ref = x.float() @ reference(parts).T + bias
+    y = torch.ops.specd_cpu.quant_linear(x, p, bias, True)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < TOLERANCE
+    y16 = torch.ops.specd_cpu.quant_linear(x, p, bias)  # bfloat16 out: the float result rounded
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(tmp_path, threads):
+    parts = [(Q.Q5_0, blocks(Q.Q5_0, 30, 256)), (Q.Q4_K, blocks(Q.Q4_K, 20, 256)), (Q.Q6_K, blocks(Q.Q6_K, 17, 256))]
+    p = packed_from(tmp_path, parts)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = torch.ops.specd_cpu.quant_linear(x, p, None, True)
+        torch.set_num_threads(threads)
+        for start, m in [(0, 1), (0, 2), (0, 5), (11, 1), (3, 7), (0, 37)]:
+            assert torch.equal(torch.ops.specd_cpu.quant_linear(x[start:start + m], p, None, True),
+                               full[start:start + m]), (start, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_parts_of_mixed_types_equal_each_part_alone(tmp_path):
+    parts = [(Q.Q8_0, blocks(Q.Q8_0, 8, 256)), (Q.Q4_1, blocks(Q.Q4_1, 5, 256)), (Q.Q5_K, blocks(Q.Q5_K, 3, 256))]
+    fused = packed_from(tmp_path, parts)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    alone = [torch.ops.specd_cpu.quant_linear(x, packed_from(tmp_path, [part]), None, True) for part in parts]
+    assert torch.equal(torch.ops.specd_cpu.quant_linear(x, fused, None, True), torch.cat(alone, dim=1))
+
+
+def test_the_row_order_of_a_part_is_applied(tmp_path):
+    raw = blocks(Q.Q8_0, 6, 64)
+    path = tmp_path / "w.bin"
+    path.write_bytes(raw.tobytes())
+    part = QuantPart("t", int(Q.Q8_0), 6, 64, str(path), 0)
+    part.row_order = np.array([3, 1, 0, 5, 4, 2])
+    p = pack([part])
+    assert torch.equal(torch.ops.specd_cpu.quant_dequantize_rows(p, torch.arange(6)),
+                       reference([(Q.Q8_0, raw)])[torch.from_numpy(part.row_order)])
+
+
+def test_bad_inputs_are_refused_with_a_message(tmp_path):
+    p = packed_from(tmp_path, [(Q.Q8_0, blocks(Q.Q8_0, 4, 64))])
+    with pytest.raises(RuntimeError, match="does not match the weight's K"):
+        torch.ops.specd_cpu.quant_linear(torch.zeros(1, 32).bfloat16(), p, None)
+    with pytest.raises(RuntimeError, match="bad header"):
+        torch.ops.specd_cpu.quant_linear(torch.zeros(1, 64).bfloat16(), torch.zeros(256, dtype=torch.uint8), None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.specd_cpu.quant_dequantize_rows(p, torch.tensor([4]))
+
+
+_PORTABLE_SCRIPT = """
+import sys, torch
+from specd.kernels import cpu_ops
+assert cpu_ops.available()
+p, x = torch.load(sys.argv[1])
+torch.save([torch.ops.specd_cpu.quant_linear(x, q, None, True) for q in p], sys.argv[2])
+"""
+
+
+def test_the_portable_path_gives_the_avx2_paths_bits(tmp_path):
+    """SPECD_QUANT_PORTABLE=1: the plain C++ that a CPU without AVX2 would run, bit for bit."""
+    if cpu_ops.isa() is None:
+        pytest.skip("no SIMD build here")
+    packs = [packed_from(tmp_path / q.name, [(q, blocks(q, 19, 512))]) for q in TYPES
+             if (tmp_path / q.name).mkdir() is None]
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    torch.save((packs, x), tmp_path / "in.pt")
+    script = tmp_path / "run.py"
+    script.write_text(_PORTABLE_SCRIPT)
+    env = {**os.environ, "SPECD_QUANT_PORTABLE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for q, p, theirs in zip(TYPES, packs, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(torch.ops.specd_cpu.quant_linear(x, p, None, True), theirs), q.name
