@@ -50,7 +50,7 @@ BIN_DIR="$BENCH_DIR/bin"
 # quantizer and perplexity tool that bench/quant.py compares quantized serving with.
 TARGETS=(llama-completion llama-simple llama-bench llama-speculative
          llama-speculative-simple llama-lookup llama-lookahead llama-tokenize llama-server
-         llama-quantize llama-perplexity)
+         llama-quantize llama-perplexity llama-batched-bench)
 
 WITH_MODELS=""
 case "${1:-}" in

@@ -8,6 +8,7 @@ an error naming the file and the part.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -112,6 +113,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Path:
 
 
 def _open(path: Path):
+    """The file's GGUFReader, parsed once per process (its metadata takes seconds: every token of
+    the vocabulary is a field part); keyed by the file's identity, so an edited file is read again."""
+    st = Path(path).stat()
+    return _open_cached(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, size: int, mtime_ns: int):
     import gguf
 
     class Reader(gguf.GGUFReader):
