@@ -202,8 +202,14 @@ def make_qwen2(models: Path) -> dict[str, Path]:
             (hf / name).write_bytes((model_store.target_dir() / name).read_bytes())
     f32 = models / "qwen2-1.5b-shape-8l-f32.gguf"
     if not f32.exists():
-        subprocess.run([str(BENCH_DIR / "venv-convert" / "bin" / "python"), str(BENCH_DIR / "llama.cpp" / "convert_hf_to_gguf.py"),
-                        str(hf), "--outtype", "f32", "--outfile", str(f32)], check=True, capture_output=True)
+        # The converter names a BPE pre-tokenizer by hashing a test encoding; under a qwen2 config,
+        # transformers loads SmolLM2's tokenizer as Qwen2's, whose hash it does not know: tell it.
+        convert = BENCH_DIR / "llama.cpp" / "convert_hf_to_gguf.py"
+        code = (f"import sys; sys.path.insert(0, {str(convert.parent)!r}); import conversion.base as b; "
+                "b.TextModel.get_vocab_base_pre = lambda self, tok: 'smollm'; "
+                f"sys.argv = ['convert', {str(hf)!r}, '--outtype', 'f32', '--outfile', {str(f32)!r}]; "
+                f"exec(compile(open({str(convert)!r}).read(), 'convert_hf_to_gguf.py', 'exec'), {{'__name__': '__main__', '__file__': {str(convert)!r}}})")
+        subprocess.run([str(BENCH_DIR / "venv-convert" / "bin" / "python"), "-c", code], check=True, capture_output=True)
     return {q: quantized(f32, q) for q in ("Q8_0", "Q4_K_M")}
 
 
@@ -262,6 +268,7 @@ def main() -> None:
     from specd.models import model_store
 
     t0 = time.time()
+    info = machine_info(args.threads, dtype="gguf")  # (the load average before anything runs)
     models, bin_dir = BENCH_DIR / "models", BENCH_DIR / "bin"
     name = model_store.target_dir().name
     files = {"SmolLM2-135M Q8_0": models / f"{name}-Q8_0.gguf", "SmolLM2-135M Q4_K_M": models / f"{name}-Q4_K_M.gguf",
@@ -294,9 +301,10 @@ def main() -> None:
             r = run_worker("spec", args.threads, model=target, spec=json.dumps(spec), workload=wl, tokens=args.tokens)
             spec_rows.append({"workload": wl, "method": label, **r})
             print(json.dumps(spec_rows[-1]), flush=True)
-    info = machine_info(args.threads, dtype="gguf")
-    result = {"machine": info, "isa": cpu_ops.isa(), "threads": args.threads, "tokens": args.tokens, "kv_gb": KV_GB,
-              "rows": rows, "spec": spec_rows, "wall_s": time.time() - t0}
+    info["load_avg_end"] = os.getloadavg()[0]
+    result = {"machine": info, "command": " ".join(["python", "bench/quant.py", *sys.argv[1:]]), "isa": cpu_ops.isa(),
+              "threads": args.threads, "tokens": args.tokens, "kv_gb": KV_GB, "rows": rows, "spec": spec_rows,
+              "elapsed_s": time.time() - t0}
     out = args.out or Path(__file__).parent / "results" / f"quant_{cpu_ops.isa()}.md"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.write_text(report(result))
@@ -304,8 +312,8 @@ def main() -> None:
 
 
 def report(r: dict) -> str:
-    lines = [f"# GGUF files served quantized: specd vs llama.cpp (bench/quant.py)", "",
-             machine_line(r["machine"]) if "machine" in r else "",
+    lines = ["# GGUF files served quantized: specd vs llama.cpp (bench/quant.py)", "",
+             machine_line(r),
              f"specd's kernels: the {r['isa']} build; {r['threads']} threads for every process; greedy, "
              f"{r['tokens']} tokens per request; specd's KV cache {r['kv_gb']} GB; llama.cpp {r['threads']} threads "
              "(llama-bench pp512/tg128, llama-batched-bench 8 streams of 128 prompt tokens).", "",
@@ -333,7 +341,7 @@ def report(r: dict) -> str:
             lines.append(f"| {s['workload']} | {s['method']} | {s['plain_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
                          f"{s['speedup']:.2f}x | {s['acceptance']:.2f} | {s['drafter_quantization'] or 'float'} | "
                          f"{s['identical']} |")
-    lines += ["", f"Wall time {r['wall_s'] / 60:.1f} min.", ""]
+    lines += ["", f"Command: `{r['command']}`.", ""]
     return "\n".join(lines)
 
 

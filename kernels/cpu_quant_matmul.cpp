@@ -2,16 +2,19 @@
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, row after row), never dequantized in memory.
 // kernels/cpu_ops.py builds it with the bfloat16 ops; specd/engine/quant.py packs the weights.
 //
-// The arithmetic, as llama.cpp's CPU path does it: each row of x is quantized to 8 bits per block of
-// 32 (scale max|x| / 127, round to nearest even), and each 32 weights' dot product with it is an exact
-// integer sum. What makes it batch-invariant is the order: per output element, eight float32 lanes
-// (lane j holds the products of k = 4j .. 4j+3 of each block of 32) accumulate block after block,
-// acc_j = fma(weight scale x activation scale, integer sum_j, acc_j), then sum in one fixed tree, and a
-// float32 term for the types with a minimum (w = scale q + min: min x activation scale x sum of the
-// block's quantized x) runs beside them in block order. A row's result depends on that row and W
-// only, whatever the row count, tile or thread count. The AVX2 path and the portable one
-// (SPECD_QUANT_PORTABLE=1, what a CPU without AVX2 would run) compute exactly that, bit for bit
-// (tests/kernels/test_cpu_quant_matmul.py), and dequantize_rows gives the gguf package's float32 values.
+// The arithmetic, as llama.cpp's CPU path does it: each row of x is quantized to 8 bits (scale
+// max|x| / 127, round to nearest even) per group of 32 for the 32-weight types, of 256 for the
+// k-quants, and each 32 weights' dot product with it is an exact integer sum. What makes it
+// batch-invariant is the order: per output element, eight float32 lanes (lane j holds the products
+// of k = 4j .. 4j+3 of each block of 32) accumulate block after block, acc_j = fma(weight scale x
+// activation scale, integer sum_j, acc_j), then sum in one fixed tree, and a float32 term for the
+// types with a minimum (w = scale q + min: min x activation scale x sum of the block's quantized x)
+// runs beside them in block order. The k-quants apply their 6-bit sub-block scales in integers first
+// (one fma per 256 weights, llama.cpp's way: 1.7-2x faster than a float step per 32). A row's result
+// depends on that row and W only, whatever the row count, tile or thread count. The AVX2 path and
+// the portable one (SPECD_QUANT_PORTABLE=1, what a CPU without AVX2 would run) compute exactly that,
+// bit for bit (tests/kernels/test_cpu_quant_matmul.py), and dequantize_rows gives the gguf
+// package's float32 values.
 //
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
@@ -129,11 +132,30 @@ template <> struct Q<Q5_1> {
     }
   }
 };
+// The k-quants' integer scales, for the kernels' integer path: per 16 weights (Q4_K/Q5_K repeat each
+// sub-block's), the sub-blocks' mins, and the block's d and dmin.
+struct KScales {
+  int16_t sc[16];
+  int32_t m[8];
+  float d, dmin;
+};
+inline void k4_scales(const uint8_t* b, KScales& k) {
+  k.d = half_at(b);
+  k.dmin = half_at(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    k4_scale_min(j, b + 4, sc, m);
+    k.sc[2 * j] = k.sc[2 * j + 1] = static_cast<int16_t>(sc);
+    k.m[j] = m;
+  }
+}
+
 // Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: sub-block 2j the
 // low nibbles of bytes 32j .. 32j+31, 2j+1 their high nibbles; w = d sc q - dmin m.
 template <> struct Q<Q4_K> {
   static constexpr int BLOCK = 256, BYTES = 144, SUBS = 8;
   static constexpr bool SIGNED = false;
+  static void kscales(const uint8_t* b, KScales& k) { k4_scales(b, k); }
   static void subs(const uint8_t* b, Sub* s) {
     const float d = half_at(b), dmin = half_at(b + 2);
     for (int j = 0; j < 8; ++j) {
@@ -152,6 +174,7 @@ template <> struct Q<Q5_K> {
   static constexpr int BLOCK = 256, BYTES = 176, SUBS = 8;
   static constexpr bool SIGNED = false;
   static void subs(const uint8_t* b, Sub* s) { Q<Q4_K>::subs(b, s); }
+  static void kscales(const uint8_t* b, KScales& k) { k4_scales(b, k); }
   static void values(const uint8_t* b, int j, int8_t* v) {
     const uint8_t *qh = b + 16, *q = b + 48 + 32 * (j / 2);
     for (int l = 0; l < 32; ++l)
@@ -169,6 +192,13 @@ template <> struct Q<Q6_K> {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int j = 0; j < 8; ++j) s[j] = {d * sc[2 * j], d * sc[2 * j + 1], 0.0f};
   }
+  static void kscales(const uint8_t* b, KScales& k) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int i = 0; i < 16; ++i) k.sc[i] = sc[i];
+    for (int j = 0; j < 8; ++j) k.m[j] = 0;
+    k.d = half_at(b + 208);
+    k.dmin = 0.0f;
+  }
   static void values(const uint8_t* b, int j, int8_t* v) {
     const int half = j / 4, t = j % 4;
     const uint8_t *ql = b + 64 * half + 32 * (t % 2), *qh = b + 128 + 32 * half;
@@ -179,37 +209,100 @@ template <> struct Q<Q6_K> {
   }
 };
 
-// x's rows quantized per block of 32: int8 values, the float32 scale and the values' sum per block.
+// SPECD_QUANT_PORTABLE=1: the plain C++ path on an AVX2 build (tests compare the two).
+bool portable() {
+#if defined(__AVX2__)
+  static const bool yes = [] {
+    const char* env = std::getenv("SPECD_QUANT_PORTABLE");
+    return env && std::string(env) == "1";
+  }();
+  return yes;
+#else
+  return true;
+#endif
+}
+
+// x's rows quantized to int8 in groups of 32 (the 32-weight types) or 256 (the k-quants, whose
+// integer scales then apply before one float step per block, as llama.cpp's Q8_K): per group the
+// float32 scale, per 32 values their sum (the min terms).
 struct QuantizedRows {
-  int64_t blocks;
+  int64_t K = 0, group = 32;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum;
-  const int8_t* qrow(int64_t r) const { return q.data() + r * blocks * 32; }
-  const float* drow(int64_t r) const { return d.data() + r * blocks; }
-  const int32_t* srow(int64_t r) const { return sum.data() + r * blocks; }
+  const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
+  const float* drow(int64_t r) const { return d.data() + r * (K / group); }
+  const int32_t* srow(int64_t r) const { return sum.data() + r * (K / 32); }
 };
 
-QuantizedRows quantize_rows(const bf16* x, int64_t M, int64_t K) {
-  QuantizedRows out{K / 32, {}, {}, {}};
+#if defined(__AVX2__)
+// One group of x (n = 32 or 256 values), the scalar loop's arithmetic below (max |x|, d = max / 127,
+// round(x / d) to nearest even), eight values at a time: decode quantizes x for every matmul.
+inline void quantize_group_avx2(const bf16* xb, int64_t n, int8_t* q, float& d_out, int32_t* sums) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto widen = [&](int64_t i) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 8 * i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  };
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n / 8; ++i) amax = _mm256_max_ps(amax, _mm256_and_ps(widen(i), abs_mask));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t c = 0; c < n / 32; ++c) {
+    __m256i qi[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(widen(4 * c + i), _mm256_set1_ps(id)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm256_add_epi32(total, qi[i]);
+    }
+    // int32 -> int8 in k order: the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c),
+                        _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    sums[c] = _mm_cvtsi128_si32(t);
+  }
+  d_out = d;
+}
+#endif
+
+QuantizedRows quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t group) {
+  QuantizedRows out;
+  out.K = K;
+  out.group = group;
   out.q.resize(M * K);
-  out.d.resize(M * out.blocks);
-  out.sum.resize(M * out.blocks);
+  out.d.resize(M * (K / group));
+  out.sum.resize(M * (K / 32));
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < out.blocks; ++b) {
-        const bf16* xb = x + r * K + b * 32;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(static_cast<float>(xb[l])));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int8_t* q = out.q.data() + (r * out.blocks + b) * 32;
-        int32_t s = 0;
-        for (int l = 0; l < 32; ++l) {
-          q[l] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[l]) * id));
-          s += q[l];
+      for (int64_t g = 0; g < K / group; ++g) {
+        const bf16* xb = x + r * K + g * group;
+        int8_t* q = out.q.data() + r * K + g * group;
+        int32_t* sums = out.sum.data() + (r * K + g * group) / 32;
+        float& d_out = out.d[r * (K / group) + g];
+#if defined(__AVX2__)
+        if (!portable()) {
+          quantize_group_avx2(xb, group, q, d_out, sums);
+          continue;
         }
-        out.d[r * out.blocks + b] = d;
-        out.sum[r * out.blocks + b] = s;
+#endif
+        float amax = 0.0f;
+        for (int64_t l = 0; l < group; ++l) amax = std::max(amax, std::fabs(static_cast<float>(xb[l])));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t c = 0; c < group / 32; ++c) {
+          int32_t s = 0;
+          for (int l = 0; l < 32; ++l) {
+            q[32 * c + l] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[32 * c + l]) * id));
+            s += q[32 * c + l];
+          }
+          sums[c] = s;
+        }
+        d_out = d;
       }
     }
   });
@@ -227,7 +320,7 @@ inline float reduce8(const float* a) {
 template <int T>
 void dot_rows_portable(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int R, float* out) {
   using QT = Q<T>;
-  const int64_t nblk = xq.blocks * 32 / QT::BLOCK;
+  const int64_t nblk = xq.K / QT::BLOCK;
   float acc[8][8] = {}, macc[8] = {};
   Sub s[QT::SUBS];
   int8_t v[32];
@@ -248,6 +341,39 @@ void dot_rows_portable(const uint8_t* w, const QuantizedRows& xq, int64_t r0, in
         }
         if (!QT::SIGNED) macc[r] = std::fma(s[j].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
       }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce8(acc[r]) + macc[r];
+}
+
+// Portable, the k-quants: x in groups of 256. Per block, lane l sums over its 8 sub-blocks
+// sc x (the integer products of k = 4l .. 4l+3) exactly in int32, then one fma with d x dx; the
+// min term sums m_j x (sum of the sub-block's x) in int32, then one fma with -(dmin x dx).
+template <int T>
+void dot_k_portable(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int R, float* out) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  float acc[8][8] = {}, macc[8] = {};
+  KScales k;
+  int8_t v[8][32];
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    QT::kscales(blk, k);
+    for (int j = 0; j < 8; ++j) QT::values(blk, j, v[j]);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq.qrow(r0 + r) + ib * 256;
+      int32_t isum[8] = {}, msum = 0;
+      for (int j = 0; j < 8; ++j) {
+        for (int lane = 0; lane < 8; ++lane) {
+          int32_t p = 0;
+          for (int t = 0; t < 4; ++t) p += static_cast<int32_t>(v[j][4 * lane + t]) * x[32 * j + 4 * lane + t];
+          isum[lane] += p * k.sc[2 * j + (lane >= 4)];
+        }
+        msum += k.m[j] * xq.srow(r0 + r)[ib * 8 + j];
+      }
+      const float dx = xq.drow(r0 + r)[ib];
+      for (int lane = 0; lane < 8; ++lane) acc[r][lane] = std::fma(k.d * dx, static_cast<float>(isum[lane]), acc[r][lane]);
+      if (!QT::SIGNED) macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = reduce8(acc[r]) + macc[r];
@@ -311,7 +437,7 @@ constexpr int64_t PREFETCH_BYTES = 1024;
 template <int T, int R, int C>
 void dot_tile_avx2(const uint8_t* w, int64_t ldw, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
   using QT = Q<T>;
-  const int64_t nblk = xq.blocks * 32 / QT::BLOCK;
+  const int64_t nblk = xq.K / QT::BLOCK;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
   float macc[R][C];
@@ -355,25 +481,66 @@ void dot_tile_avx2(const uint8_t* w, int64_t ldw, const QuantizedRows& xq, int64
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, acc[r][c]);
-      out[r * ldo + c] = reduce8(lanes) + macc[r][c];
+    for (int c = 0; c < C; ++c) {  // reduce8's tree: (l + l+4), then (0 + 2) + (1 + 3)
+      __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+      q = _mm_add_ss(q, _mm_movehdup_ps(q));
+      out[r * ldo + c] = _mm_cvtss_f32(q) + macc[r][c];
     }
+}
+
+inline float reduce8_avx2(__m256 a) {  // reduce8's tree: (l + l+4), then (0 + 2) + (1 + 3)
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+// The k-quants in AVX2, dot_k_portable's arithmetic: the sub-blocks' scales applied in int16 x
+// int16 -> int32 (madd), summed over the block in int32, one float fma per block.
+template <int T, int R>
+void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  KScales k;
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    QT::kscales(blk, k);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = values_avx2<T>(blk, j);
+      const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;
+      const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * j + 1]), _mm_set1_epi16(k.sc[2 * j]));
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + ib * 256 + 32 * j));
+        const __m256i p16 = _mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16, sc));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = xq.drow(r0 + r)[ib];
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      if (!QT::SIGNED) {
+        const int32_t* xs = xq.srow(r0 + r) + ib * 8;
+        int32_t msum = 0;
+        for (int j = 0; j < 8; ++j) msum += k.m[j] * xs[j];
+        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
 #endif
 
-bool portable() {
-#if defined(__AVX2__)
-  static const bool yes = [] {
-    const char* env = std::getenv("SPECD_QUANT_PORTABLE");
-    return env && std::string(env) == "1";
-  }();
-  return yes;
-#else
-  return true;
-#endif
-}
 
 constexpr int ROWS = 4;  // rows of x per pass over the weight rows
 
@@ -385,7 +552,20 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
     const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
     float* o = out + r0 * ldo;
 #if defined(__AVX2__)
-    if (!portable()) {
+    if constexpr (Q<T>::BLOCK == 256) {
+      if (!portable()) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint8_t* wc = w + c * ldw;
+          switch (R) {
+            case 1: dot_k_avx2<T, 1>(wc, xq, r0, o + c, ldo); break;
+            case 2: dot_k_avx2<T, 2>(wc, xq, r0, o + c, ldo); break;
+            case 3: dot_k_avx2<T, 3>(wc, xq, r0, o + c, ldo); break;
+            default: dot_k_avx2<T, ROWS>(wc, xq, r0, o + c, ldo);
+          }
+        }
+        continue;
+      }
+    } else if (!portable()) {
       // One weight row at a time: two or four interleaved rows (more fma chains in flight) streamed
       // the weights 1.2-1.9x slower at batch 1 on the AVX2 EPYC (bench: all of a Q8_0 model's matmuls).
       for (int64_t c = 0; c < cols; ++c) {
@@ -402,7 +582,8 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
 #endif
     float tmp[ROWS];
     for (int64_t c = 0; c < cols; ++c) {
-      dot_rows_portable<T>(w + c * ldw, xq, r0, R, tmp);
+      if constexpr (Q<T>::BLOCK == 256) dot_k_portable<T>(w + c * ldw, xq, r0, R, tmp);
+      else dot_rows_portable<T>(w + c * ldw, xq, r0, R, tmp);
       for (int r = 0; r < R; ++r) o[r * ldo + c] = tmp[r];
     }
   }
@@ -459,6 +640,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be a CPU bfloat16 tensor");
   const Packed p = parse(packed);
   TORCH_CHECK(p.K % 32 == 0, "K must be a multiple of 32");
+  for (const Segment& s : p.segments) TORCH_CHECK(s.type < Q4_K || p.K % 256 == 0, "k-quant parts need K % 256 == 0");
   TORCH_CHECK(x.size(-1) == p.K, "x's last dim ", x.size(-1), " does not match the weight's K ", p.K);
   auto xc = x.contiguous();
   const int64_t M = xc.numel() / std::max<int64_t>(p.K, 1), N = p.N;
@@ -472,7 +654,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
     b = bias->to(at::kFloat).contiguous();
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const QuantizedRows xq = quantize_rows(xc.data_ptr<bf16>(), M, p.K);
+  // x in groups of 32 for the 32-weight types, of 256 for the k-quants: each only where a part needs it
+  bool any32 = false, any256 = false;
+  for (const Segment& s : p.segments) (s.type >= Q4_K ? any256 : any32) = true;
+  const QuantizedRows x32 = any32 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 32) : QuantizedRows();
+  const QuantizedRows x256 = any256 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 256) : QuantizedRows();
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   bf16* yb = float_out ? nullptr : y.data_ptr<bf16>();
   // Work items: chunks of 16 output columns; each computes its columns for all rows, segment by
@@ -488,7 +674,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
       if (lo < hi) {
         const uint8_t* w = p.base + s.offset + (lo - seg_first) * s.row_bytes;
         by_type(s.type, [&](auto t) {
-          dot_block<decltype(t)::value>(w, s.row_bytes, hi - lo, xq, M, out.data() + (lo - n_begin), ldo);
+          constexpr int T = decltype(t)::value;
+          dot_block<T>(w, s.row_bytes, hi - lo, Q<T>::BLOCK == 256 ? x256 : x32, M, out.data() + (lo - n_begin), ldo);
         });
       }
       seg_first += s.rows;

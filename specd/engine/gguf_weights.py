@@ -1,11 +1,13 @@
-"""A CausalLM straight from a GGUF file, its matmuls in the file's own quantized types (CPU).
+"""A CausalLM straight from a GGUF file, its matmuls in the file's own quantized types.
 
-The model is built on the meta device and filled module by module: matmul weights become
+The model is built on the meta device and filled module by module. On CPU: matmul weights become
 QuantLinear (packed GGUF blocks, specd/engine/quant.py) where kernels/cpu_quant_matmul.cpp has the
 type, the embeddings a QuantEmbedding, norms and biases bfloat16. Nothing is dequantized in bulk, so
-the resident size stays near the file's while loading too. A tensor whose type has no kernel here is
-dequantized to bfloat16 (the linear it belongs to then takes the bf16 kernels), with a log line
-naming it; a type the gguf package cannot read fails naming the file, tensor and type.
+the resident size stays near the file's while loading too. On a GPU (or on CPU with
+SPECD_FORCE_TRITON=1, the tests' stand-in): Q8_0 parts become int8 and Q4_0 / Q4_1 parts int4 for
+kernels/quant_matmul_triton.py (GroupQuantLinear), the embeddings bfloat16. A tensor whose type has
+no kernel on the device is dequantized to bfloat16, with a log line naming the type; a type the
+gguf package cannot read fails naming the file, tensor and type.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from torch import nn
 from specd.engine.linear import fast_linear
 from specd.engine.model import CausalLM
 from specd.engine.model_config import ModelArchConfig
-from specd.engine.quant import KERNEL_TYPES, QuantEmbedding, QuantLinear, QuantPart, pack
+from specd.engine.quant import (GPU_TYPES, KERNEL_TYPES, GroupQuantLinear, QuantEmbedding, QuantLinear, QuantPart,
+                                gpu_weights, pack)
 from specd.models import gguf_convert
 
 log = logging.getLogger(__name__)
@@ -29,14 +32,15 @@ log = logging.getLogger(__name__)
 class _Tensors:
     """The file's tensors by Hugging Face name, as QuantParts and as dequantized values."""
 
-    def __init__(self, path: Path, arch: ModelArchConfig):
+    def __init__(self, path: Path, arch: ModelArchConfig, triton: bool = False):
         import gguf
 
-        self.path, self.arch = path, arch
-        reader = gguf_convert._open(path)
-        self.permute_qk = gguf_convert.ARCHITECTURES[reader.fields["general.architecture"].contents()][1]
+        self.path, self.arch, self.triton = path, arch, triton
+        self.device = torch.device("cuda" if triton and torch.cuda.is_available() else "cpu")
+        architecture, infos = gguf_convert.read_header(path)
+        self.permute_qk = gguf_convert.ARCHITECTURES[architecture][1]
         self.by_name = {}
-        for t in reader.tensors:
+        for t in infos:
             name = gguf_convert._hf_name(t.name, path)
             if name is not None:
                 self.by_name[name] = t
@@ -67,22 +71,26 @@ class _Tensors:
         import gguf
 
         t = self.by_name[name]
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        raw = np.fromfile(self.path, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset)
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            w = gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False)
         except NotImplementedError:
-            raise gguf_convert.GGUFError(f"{self.path}: tensor {t.name} has quantization {t.tensor_type.name}, "
+            raise gguf_convert.GGUFError(f"{self.path}: tensor {t.name} has quantization {qtype.name}, "
                                          "which the gguf package cannot dequantize") from None
         w = w.reshape([int(d) for d in reversed(t.shape)])
         heads = self._heads(name)
         if heads:
             w = gguf_convert._unpermute(w, heads)
-        return torch.from_numpy(np.array(w, copy=True))  # (the file is mapped read-only)
+        return torch.from_numpy(np.ascontiguousarray(w))
 
     def linear(self, names: list[str], biases: list[str]) -> nn.Module:
         parts = [self.part(n) for n in names]
         bias = None
         if all(b in self for b in biases) and biases:
             bias = torch.cat([self.dense(b) for b in biases]).to(torch.bfloat16)  # as a bf16 checkpoint holds it
+        if self.triton:
+            return self._gpu_linear(names, parts, bias)
         if all(p.has_kernel() for p in parts):
             return QuantLinear(pack(parts), sum(p.rows for p in parts), parts[0].cols, bias)
         for p in parts:
@@ -91,14 +99,25 @@ class _Tensors:
         weight = torch.cat([self.dense(n) for n in names]).to(torch.bfloat16)
         return fast_linear(weight, bias)
 
+    def _gpu_linear(self, names: list[str], parts: list[QuantPart], bias: torch.Tensor | None) -> nn.Module:
+        pieces = []
+        for name, p in zip(names, parts):
+            if p.qtype in GPU_TYPES and p.cols % 32 == 0:
+                pieces.append(tuple(t if not isinstance(t, torch.Tensor) else t.to(self.device) for t in gpu_weights(p)))
+            else:
+                self.no_kernel[self.type_name(p.qtype)] += 1
+                pieces.append((0, self.dense(name).to(self.device, torch.bfloat16)))
+        return GroupQuantLinear(pieces, parts[0].cols, None if bias is None else bias.to(self.device))
+
     def param(self, name: str) -> nn.Parameter:
-        return nn.Parameter(self.dense(name).to(torch.bfloat16), requires_grad=False)
+        return nn.Parameter(self.dense(name).to(self.device, torch.bfloat16), requires_grad=False)
 
 
-def load_gguf_model(path: Path, arch: ModelArchConfig, max_positions: int) -> CausalLM:
-    """The model of `path` on CPU, bfloat16 activations, matmuls in the file's types. The caller
+def load_gguf_model(path: Path, arch: ModelArchConfig, max_positions: int, triton: bool = False) -> CausalLM:
+    """The model of `path`, bfloat16 activations, matmuls in the file's types: on CPU with the C++
+    kernels, or with the Triton ones (triton=True: on the GPU where there is one). The caller
     prepares it (CausalLM.prepare) and runs the exactness self-test as for any checkpoint."""
-    tensors = _Tensors(path, arch)
+    tensors = _Tensors(path, arch, triton)
     with torch.device("meta"):
         model = CausalLM(arch, max_positions)
     for j, layer in enumerate(model.model.layers):
@@ -116,21 +135,27 @@ def load_gguf_model(path: Path, arch: ModelArchConfig, max_positions: int) -> Ca
             attn.k_norm.weight = tensors.param(f"{pre}self_attn.k_norm.weight")
     model.model.norm.weight = tensors.param("model.norm.weight")
     embed = tensors.part("model.embed_tokens.weight")
-    if embed.has_kernel():
+    if embed.has_kernel() and not triton:
         model.model.embed_tokens = QuantEmbedding(pack([embed]), embed.rows, embed.cols)
-    else:
-        tensors.no_kernel[tensors.type_name(embed.qtype)] += 1
+    else:  # (on a GPU the table is bfloat16: a lookup reads a few rows, the head reads them all)
+        if not triton:
+            tensors.no_kernel[tensors.type_name(embed.qtype)] += 1
         model.model.embed_tokens = nn.Embedding.from_pretrained(
-            tensors.dense("model.embed_tokens.weight").to(torch.bfloat16), freeze=True)
-    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-    model.head = tensors.linear([head], [])
+            tensors.dense("model.embed_tokens.weight").to(tensors.device, torch.bfloat16), freeze=True)
+    if "lm_head.weight" in tensors:
+        model.head = tensors.linear(["lm_head.weight"], [])
+    elif isinstance(model.model.embed_tokens, QuantEmbedding):  # tied: one copy of the table serves both
+        model.head = QuantLinear(model.model.embed_tokens.packed, embed.rows, embed.cols, None)
+    else:
+        model.head = tensors.linear(["model.embed_tokens.weight"], [])
     model.lm_head = None
-    model.rotary.build(torch.device("cpu"), torch.bfloat16)
+    model.rotary.build(tensors.device, torch.bfloat16)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise gguf_convert.GGUFError(f"{path}: no tensor for {', '.join(left[:5])}")
     for qtype, n in sorted(tensors.no_kernel.items()):
-        log.warning("%s: %d tensors of type %s have no quantized kernel here; dequantized to bfloat16", path, n, qtype)
+        log.warning("%s: %d tensors of type %s have no quantized kernel %s; dequantized to bfloat16", path, n, qtype,
+                    "on the GPU" if triton else "here")
     model.quantization = quantization_summary(model)
     return model
 
@@ -140,6 +165,11 @@ def quantization_summary(model: nn.Module) -> str:
     import gguf
 
     sizes: Counter = Counter()
+    for m in model.modules():
+        if isinstance(m, GroupQuantLinear):
+            for p in m.parts:
+                if p[0]:
+                    sizes[f"int{p[0]}"] += p[1].numel() * p[1].element_size()
     for m in {id(m): m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}.values():
         header = m.packed[:32].numpy().view(np.int64)
         for i in range(int(header[3])):
@@ -149,7 +179,7 @@ def quantization_summary(model: nn.Module) -> str:
     return ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in sizes.most_common())
 
 
-def has_quantized_matmuls(path: Path) -> bool:
-    """Whether the file holds a 2-D tensor of a type the quantized kernels compute on."""
-    reader = gguf_convert._open(path)
-    return any(len(t.shape) == 2 and int(t.tensor_type) in KERNEL_TYPES for t in reader.tensors)
+def has_quantized_matmuls(path: Path, triton: bool = False) -> bool:
+    """Whether the file holds a 2-D tensor of a type the quantized kernels (CPU, or Triton's) compute on."""
+    types = GPU_TYPES if triton else KERNEL_TYPES
+    return any(len(t.shape) == 2 and t.tensor_type in types for t in gguf_convert.read_header(path)[1])

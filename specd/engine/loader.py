@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -143,18 +144,20 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str, dtype: str, device: torch.device) -> Checkpoint:
-    """A GGUF file with quantized matmuls loads in its own types on CPU under dtype auto (with
-    bfloat16 activations), where the fused CPU ops build; an explicit dtype dequantizes it."""
+    """A GGUF file with quantized matmuls loads in its own types under dtype auto (with bfloat16
+    activations): on CPU where the fused CPU ops build, on CUDA its Q8_0 / Q4_0 / Q4_1 parts through
+    Triton; an explicit dtype dequantizes it."""
     gguf_file = find_gguf(Path(model).expanduser())
-    if gguf_file is not None and dtype == "auto" and device.type == "cpu":
+    if gguf_file is not None and dtype == "auto" and device.type in ("cpu", "cuda"):
         from specd.engine.gguf_weights import has_quantized_matmuls
 
-        if has_quantized_matmuls(gguf_file):
-            if cpu_bfloat16_is_fast():
+        triton = _triton_quantized(device)
+        if has_quantized_matmuls(gguf_file, triton):
+            if triton or cpu_bfloat16_is_fast():
                 model_dir = resolve_model_dir(model, weights=False)
                 return Checkpoint(model_dir, read_arch_config(model_dir), torch.bfloat16, gguf_file)
-            log.warning("%s: no quantized CPU kernels on this machine (the fused ops did not build); "
-                        "its weights are dequantized", gguf_file)
+            log.warning("%s: no quantized kernels for %s on this machine; its weights are dequantized",
+                        gguf_file, device.type)
     model_dir = resolve_model_dir(model)
     arch = read_arch_config(model_dir)
     return Checkpoint(model_dir, arch, resolve_dtype(dtype, arch, device))
@@ -166,11 +169,23 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device, max_positions: int,
         return load_model(ckpt.dir, ckpt.arch, ckpt.dtype, device, max_positions, batch_invariant)
     from specd.engine.gguf_weights import load_gguf_model
 
-    model = load_gguf_model(ckpt.gguf, ckpt.arch, max_positions)
+    model = load_gguf_model(ckpt.gguf, ckpt.arch, max_positions, _triton_quantized(device))
     # Keyed by the file's content: what the prefix cache salts its hashes with.
     model.fingerprint = "gguf-" + file_sha256(ckpt.gguf)[:27]
     log.info("%s: matmuls in the file's own types (%s), bfloat16 activations", ckpt.gguf.name, model.quantization)
     return _prepared(model, None, ckpt.dtype, device, batch_invariant)
+
+
+def _triton_quantized(device: torch.device) -> bool:
+    """GGUF matmuls through kernels/quant_matmul_triton.py: on CUDA, or forced on CPU (the tests'
+    stand-in for a GPU, under TRITON_INTERPRET), where Triton imports."""
+    if device.type != "cuda" and os.environ.get("SPECD_FORCE_TRITON") != "1":
+        return False
+    try:
+        import specd.kernels.quant_matmul_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def load_model(model_dir: Path, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,

@@ -37,6 +37,21 @@ class QuantPart:
         return self.qtype in KERNEL_TYPES and self.cols % KERNEL_TYPES[self.qtype][0] == 0
 
 
+def read_rows(part: QuantPart, out: np.ndarray | None = None) -> np.ndarray:
+    """The part's rows of blocks [rows, row_bytes], read from its file (into `out` where given), in
+    its row order."""
+    n = part.rows * part.row_bytes
+    buf = np.empty(n, dtype=np.uint8) if out is None else out
+    with open(part.path, "rb") as f:
+        f.seek(part.offset)
+        if f.readinto(memoryview(buf)) != n:
+            raise ValueError(f"{part.path}: tensor {part.name} is cut short")
+    rows = buf.reshape(part.rows, part.row_bytes)
+    if part.row_order is not None:
+        rows[:] = rows[part.row_order]
+    return rows
+
+
 def pack(parts: list[QuantPart]) -> torch.Tensor:
     """The parts' rows one after another in the kernels' layout (module docstring), read from the
     file into the tensor they end up in."""
@@ -55,14 +70,7 @@ def pack(parts: list[QuantPart]) -> torch.Tensor:
         fields += [p.qtype, p.rows, off, p.row_bytes]
     buf[:header] = np.frombuffer(struct.pack(f"<{len(fields)}q", *fields), dtype=np.uint8)
     for p, off in zip(parts, offsets):
-        n = p.rows * p.row_bytes
-        with open(p.path, "rb") as f:
-            f.seek(p.offset)
-            if f.readinto(memoryview(buf[off:off + n])) != n:
-                raise ValueError(f"{p.path}: tensor {p.name} is cut short")
-        if p.row_order is not None:
-            rows = buf[off:off + n].reshape(p.rows, p.row_bytes)
-            rows[:] = rows[p.row_order]
+        read_rows(p, buf[off:off + p.rows * p.row_bytes])
     return packed
 
 
@@ -99,3 +107,47 @@ class QuantEmbedding(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return torch.ops.specd_cpu.quant_dequantize_rows(self.packed, torch.arange(self.num_embeddings))
+
+
+# On a GPU (kernels/quant_matmul_triton.py): the GGUF types whose blocks map onto its format without
+# loss (groups of 32 along K): Q8_0 -> int8 and a scale; Q4_0, Q4_1 -> 4 bits, a scale and a min.
+GPU_TYPES = {8: 8, 2: 4, 3: 4}
+
+
+def gpu_weights(part: QuantPart) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(bits, qweight, scales, mins) of the Triton kernel's format for a part of a GPU_TYPES type."""
+    raw = read_rows(part)
+    block, size = KERNEL_TYPES[part.qtype]
+    blocks = raw.reshape(part.rows, part.cols // block, size)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if part.qtype == 8:  # Q8_0: d, 32 int8
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(part.rows, part.cols)
+        return 8, torch.from_numpy(q), torch.from_numpy(d), None
+    nibbles = blocks[..., 2:18] if part.qtype == 2 else blocks[..., 4:20]  # Q4_0: d, 16 bytes; Q4_1: d, m, 16
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # GGUF: k 0..15 low nibbles, 16..31 high
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(part.rows, part.cols // 2)  # kernel: k even low
+    mins = -8 * d if part.qtype == 2 else np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+    return 4, torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(d), torch.from_numpy(mins)
+
+
+class GroupQuantLinear(nn.Module):
+    """A linear on a GPU whose parts are int8 / int4 weights in groups of 32 (the Triton kernel) or
+    dense bfloat16 (types the kernel lacks: kernels/matmul_invariant_triton.py); outputs concatenated."""
+
+    def __init__(self, parts: list[tuple], in_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.max_rows = in_features, None
+        self.out_features = sum(p[1].shape[0] for p in parts)
+        self.parts = parts  # (bits, qweight, scales, mins) or (0, dense weight)
+        for i, part in enumerate(parts):
+            for j, t in enumerate(part[1:]):
+                self.register_buffer(f"part{i}_{j}", t, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from specd.kernels.matmul_invariant_triton import matmul_invariant
+        from specd.kernels.quant_matmul_triton import quant_matmul
+
+        outs = [matmul_invariant(x, p[1]) if p[0] == 0 else quant_matmul(x, *p[1:], bits=p[0]) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias

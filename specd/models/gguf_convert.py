@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -110,6 +112,99 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Path:
                                    ("eos_token_id", config.get("eos_token_id"))) if v is not None})
     _write_tokenizer(meta, out_dir)
     return out_dir
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    tensor_type: int  # GGML type id
+    shape: tuple[int, ...]  # GGUF order: the contiguous dimension first
+    data_offset: int  # absolute, in the file
+    n_bytes: int
+
+
+def read_header(path: Path) -> tuple[str, list[TensorInfo]]:
+    """A GGUF file's general.architecture and tensors (name, type, shape, where), read from its
+    header alone: the other metadata values are skipped, not parsed (GGUFReader builds a numpy view per vocabulary entry:
+    seconds and ~150 MB for a 49k vocabulary, which loading the weights does not need)."""
+    import gguf
+
+    with open(path, "rb") as f:
+        data = f.read(16 << 20)  # headers are a few MB; more is read below where one is longer
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal data
+            while pos + n > len(data):
+                more = f.read(max(n, 16 << 20))
+                if not more:
+                    raise GGUFError(f"{path}: truncated: the header runs past the end of the file")
+                data += more
+
+        def take(fmt: str):
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            need(size)
+            value = struct.unpack_from(fmt, data, pos)
+            pos += size
+            return value if len(value) > 1 else value[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            need(n)
+            pos += n
+            return data[pos - n:pos].decode("utf-8", "replace")
+
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype == 8:
+                string()
+            elif vtype == 9:
+                item, count = take("<IQ")
+                if item in sizes:
+                    need(count * sizes[item])
+                    pos += count * sizes[item]
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                need(sizes[vtype])
+                pos += sizes[vtype]
+
+        if take("<I") != 0x46554747:  # "GGUF"
+            raise GGUFError(f"{path}: not a readable GGUF file (bad magic)")
+        _, n_tensors, n_kv = take("<IQQ")
+        alignment, architecture = 32, None
+        for _ in range(n_kv):
+            key, vtype = string(), take("<I")
+            if key == "general.alignment":
+                alignment = take("<I")
+            elif key == "general.architecture" and vtype == 8:
+                architecture = string()
+            else:
+                skip(vtype)
+        raw = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = take("<I")
+            shape = tuple(int(d) for d in (take(f"<{dims}Q") if dims > 1 else (take("<Q"),)))
+            raw.append((name, take("<I"), shape, take("<Q")))
+        start = -(-pos // alignment) * alignment
+    size = path.stat().st_size
+    infos = []
+    for name, qtype, shape, offset in raw:
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        n = int(np.prod(shape)) * nbytes // block
+        if start + offset + n > size:
+            raise GGUFError(f"{path}: truncated: tensor {name} ends at byte {start + offset + n} but the file has "
+                            f"{size} bytes")
+        infos.append(TensorInfo(name, qtype, shape, start + offset, n))
+    if architecture not in ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {architecture!r} is not supported (general.architecture); "
+                        f"supported: {', '.join(ARCHITECTURES)}")
+    return architecture, infos
 
 
 def _open(path: Path):

@@ -81,11 +81,11 @@ def test_matmuls_stay_in_the_files_types(quantized):
 
 
 def test_logits_are_close_to_the_dequantized_float32_reference(files, quantized):
-    """The tolerance: x is quantized to 8 bits per 32 values before each matmul (as llama.cpp does)
-    and activations are bfloat16. Measured here: max |logit - reference| 2.3-3.8% of the logits'
-    range, where the same file dequantized to bfloat16 is off by 1.3-2.7%; so: under 5% of the range
-    and under 3x the bfloat16 model's error. A wrong block layout, scale or row order is off by the
-    whole range."""
+    """The tolerance: x is quantized to 8 bits before each matmul, per 32 values for the 32-weight
+    types and per 256 for the k-quants (as llama.cpp does), and activations are bfloat16. Measured
+    here: max |logit - reference| 2.3-4.2% of the logits' range, where the same file dequantized to
+    bfloat16 is off by 1.3-2.7%; so: under 6% of the range and under 4x the bfloat16 model's error.
+    A wrong block layout, scale or row order is off by the whole range."""
     reference = LLM(str(files["mixed"]), dtype="float32", device="cpu", max_model_len=256)
     bf16 = LLM(str(files["mixed"]), dtype="bfloat16", device="cpu", max_model_len=256)
     assert reference.engine.model.quantization is None  # an explicit dtype dequantizes
@@ -93,7 +93,7 @@ def test_logits_are_close_to_the_dequantized_float32_reference(files, quantized)
         ours, ref, dequantized = _logits(quantized, ids), _logits(reference, ids), _logits(bf16, ids)
         spread = (ref.max(-1).values - ref.min(-1).values).min().item()
         err, bf16_err = (ours - ref).abs().max().item(), (dequantized - ref).abs().max().item()
-        assert err < 0.05 * spread and err < 3 * bf16_err, (err / spread, bf16_err / spread)
+        assert err < 0.06 * spread and err < 4 * bf16_err, (err / spread, bf16_err / spread)
 
 
 def _methods(drafter_gguf: str, drafter_float: str):

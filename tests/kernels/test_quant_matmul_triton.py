@@ -125,3 +125,46 @@ def test_k_not_a_multiple_of_32_raises(bits):
         kernel.quant_matmul(torch.randn(2, 48), q, s, s if bits == 4 else None, bits=bits)
     with pytest.raises(ValueError, match="multiple of 32"):
         kernel.dequantize_weight(q, s, s if bits == 4 else None, bits)
+
+
+def test_a_gguf_files_q8_0_and_q4_parts_serve_through_it(tmp_path, monkeypatch):
+    """A .gguf on a GPU (SPECD_FORCE_TRITON=1 stands in for one here, interpreted): Q8_0 parts become
+    int8, Q4_0 and Q4_1 parts int4 for this kernel, the file's F16/BF16 parts dense; logits close to
+    the same file dequantized to bfloat16, and greedy speculation gives plain decoding's tokens."""
+    pytest.importorskip("gguf")
+    from gguf_files import bpe_tokenizer, hf_model, write_gguf
+    from specd import LLM, SamplingParams
+    from specd.engine.quant import GroupQuantLinear
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))
+    tokenizer = bpe_tokenizer("smollm")
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", hf_model("llama", tmp_path / "hf", len(tokenizer[0])), tokenizer)
+    ids = [5, 17, 99, 250, 31, 8, 77, 5, 17]
+    reference = LLM(str(path), dtype="bfloat16", device=DEVICE)
+    monkeypatch.setenv("SPECD_FORCE_TRITON", "1")
+    llm = LLM(str(path), device=DEVICE)
+    model = llm.engine.model
+    kinds = {p[0] for m in model.modules() if isinstance(m, GroupQuantLinear) for p in m.parts}
+    assert kinds == {0, 4, 8}  # int8 (Q8_0), int4 (Q4_0, Q4_1), dense (F16, BF16 parts)
+    assert model.quantization.startswith(("int8", "int4"))
+
+    def logits(engine):
+        from specd.engine.scheduler import ScheduledSeq
+        from specd.engine.sequence import Sequence
+
+        seq = Sequence(ids, SamplingParams())
+        assert engine.block_manager.allocate(seq, len(ids))
+        try:
+            return engine.runner.run([ScheduledSeq(seq, len(ids), len(ids))]).float().cpu()
+        finally:
+            engine.block_manager.free(seq)
+
+    ours, ref = logits(llm.engine), logits(reference.engine)
+    assert (ours - ref).abs().max().item() < 0.05 * (ref.max() - ref.min()).item()
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate([{"prompt_token_ids": ids}], sp)[0].token_ids
+    # the file drafting for itself (in its own types too): every step drafts, rows of 1 to 4 tokens
+    spec = LLM(str(path), device=DEVICE, speculative_config={"method": "draft_model", "model": str(path),
+                                                             "num_speculative_tokens": 3, "adaptive": False})
+    out = spec.generate([{"prompt_token_ids": ids}], sp)[0]
+    assert out.token_ids == plain and out.spec["draft_tokens"] > 0
