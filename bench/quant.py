@@ -70,6 +70,8 @@ def worker_decode(args) -> dict:
         t = time.perf_counter()
         llm.generate([p], sp)
         b1.append(args.tokens / (time.perf_counter() - t))
+    if args.b1_only:
+        return {"decode_b1": statistics.median(b1)}
     t = time.perf_counter()
     llm.generate(prompts, sp)
     b8 = 8 * args.tokens / (time.perf_counter() - t)
@@ -155,9 +157,10 @@ def worker_spec(args) -> dict:
 
 
 # ------------------------------------------------------------------ llama.cpp
-def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512", "-n", "128",
-                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
+def llama_bench(bin_dir: Path, model: Path, threads: int, prefill: bool = True) -> dict:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p",
+                          "512" if prefill else "0", "-n", "128", "-r", "3", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
     res = {}
     for r in rows:
@@ -252,6 +255,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--qwen2", action="store_true", help="also the random qwen2 of 1.5B layer shapes")
     p.add_argument("--no-spec", action="store_true", help="skip the speculation rows")
+    p.add_argument("--rounds", type=int, default=3, help="batch-1 decode measured this many times each, alternating")
     p.add_argument("--out", type=Path, default=None)
     # worker mode (internal)
     p.add_argument("--worker", choices=["decode", "ppl", "spec"])
@@ -260,6 +264,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--spec")
     p.add_argument("--workload", default="chat")
+    p.add_argument("--b1-only", type=int, default=0)
     args = p.parse_args()
     if args.worker:
         print(json.dumps({"decode": worker_decode, "ppl": worker_ppl, "spec": worker_spec}[args.worker](args)))
@@ -283,6 +288,14 @@ def main() -> None:
         row["specd_bf16"] = run_worker("decode", args.threads, model=f, tokens=args.tokens, dtype="bfloat16")
         row["llama"] = llama_bench(bin_dir, f, args.threads)
         row["llama"]["decode_b8"] = llama_batched(bin_dir, f, args.threads, args.tokens)
+        # Batch-1 decode again, specd and llama.cpp alternating (this machine's speed drifts by
+        # 10-20% within minutes): the table reports each side's median over the rounds.
+        row["b1_rounds"] = [(row["specd"]["decode_b1"], row["llama"]["decode_b1"])]
+        for _ in range(args.rounds - 1):
+            row["b1_rounds"].append((run_worker("decode", args.threads, model=f, tokens=args.tokens, b1_only=1)["decode_b1"],
+                                     llama_bench(bin_dir, f, args.threads, prefill=False)["decode_b1"]))
+        row["specd"]["decode_b1"] = statistics.median(r[0] for r in row["b1_rounds"])
+        row["llama"]["decode_b1"] = statistics.median(r[1] for r in row["b1_rounds"])
         if "SmolLM2" in label:  # perplexity means something on trained weights only
             row["ppl_specd"] = run_worker("ppl", args.threads, model=f)["ppl"]
             row["ppl_llama"] = llama_ppl(bin_dir, f, args.threads, 512)
@@ -303,7 +316,8 @@ def main() -> None:
             print(json.dumps(spec_rows[-1]), flush=True)
     info["load_avg_end"] = os.getloadavg()[0]
     result = {"machine": info, "command": " ".join(["python", "bench/quant.py", *sys.argv[1:]]), "isa": cpu_ops.isa(),
-              "threads": args.threads, "tokens": args.tokens, "kv_gb": KV_GB, "rows": rows, "spec": spec_rows,
+              "threads": args.threads, "tokens": args.tokens, "kv_gb": KV_GB, "rounds": args.rounds, "rows": rows,
+              "spec": spec_rows,
               "elapsed_s": time.time() - t0}
     out = args.out or Path(__file__).parent / "results" / f"quant_{cpu_ops.isa()}.md"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -316,7 +330,8 @@ def report(r: dict) -> str:
              machine_line(r),
              f"specd's kernels: the {r['isa']} build; {r['threads']} threads for every process; greedy, "
              f"{r['tokens']} tokens per request; specd's KV cache {r['kv_gb']} GB; llama.cpp {r['threads']} threads "
-             "(llama-bench pp512/tg128, llama-batched-bench 8 streams of 128 prompt tokens).", "",
+             "(llama-bench pp512/tg128, llama-batched-bench 8 streams of 128 prompt tokens). Batch 1: the median of "
+             f"{r.get('rounds', 1)} rounds, specd and llama.cpp alternating (per round in the .json).", "",
              "| file | MB | specd b1 tok/s | llama.cpp b1 | ratio | specd b8 | llama.cpp b8 | specd prefill tok/s | "
              "llama.cpp pp512 | specd bf16 b1 (dequantized) | load s | RSS before load MB | peak RSS MB | KV MB | "
              "peak - before vs 1.5 x file + KV | PPL specd | PPL llama.cpp |",

@@ -430,70 +430,51 @@ template <> inline __m256i values_avx2<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(_mm256_or_si256(low, hi), _mm256_set1_epi8(32));
 }
 
-// R rows of x against C weight rows, in AVX2: the integer sums of 4 products per lane, then the
+// R rows of x against one weight row, in AVX2: the integer sums of 4 products per lane, then the
 // lane-wise fma of the header; bit-identical to dot_rows_portable.
 constexpr int64_t PREFETCH_BYTES = 1024;
-
-template <int T, int R, int C>
-void dot_tile_avx2(const uint8_t* w, int64_t ldw, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
-  using QT = Q<T>;
-  const int64_t nblk = xq.K / QT::BLOCK;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  float macc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      macc[r][c] = 0.0f;
-    }
-  Sub s[C][QT::SUBS];
-  for (int64_t ib = 0; ib < nblk; ++ib) {
-    // The weights stream from memory once per step: ask for them ahead (into the next rows near a
-    // row's end), as the bf16 kernel does; without it decode read ~10 GB/s, a third of the bf16 path's.
-    for (int c = 0; c < C; ++c) {
-      const char* ahead = reinterpret_cast<const char*>(w + c * ldw + ib * QT::BYTES) + PREFETCH_BYTES;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      if (QT::BYTES > 128) _mm_prefetch(ahead + 128, _MM_HINT_T0);
-      if (QT::BYTES > 192) _mm_prefetch(ahead + 192, _MM_HINT_T0);
-    }
-    for (int c = 0; c < C; ++c) QT::subs(w + c * ldw + ib * QT::BYTES, s[c]);
-    for (int j = 0; j < QT::SUBS; ++j) {
-      const int64_t b = ib * QT::SUBS + j;
-      __m256i v[C], vu[C];
-      for (int c = 0; c < C; ++c) {
-        v[c] = values_avx2<T>(w + c * ldw + ib * QT::BYTES, j);
-        vu[c] = QT::SIGNED ? _mm256_sign_epi8(v[c], v[c]) : v[c];  // |v| for the signed types
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
-        const float dx = xq.drow(r0 + r)[b];
-        for (int c = 0; c < C; ++c) {
-          // x's sign follows v's for the signed types: |v| x sign(v) = v x
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu[c], QT::SIGNED ? _mm256_sign_epi8(x, v[c]) : x), ones);
-          const __m256 scale = QT::SUBS == 8 && T == Q6_K
-                                   ? _mm256_set_m128(_mm_set1_ps(s[c][j].hi * dx), _mm_set1_ps(s[c][j].lo * dx))
-                                   : _mm256_set1_ps(s[c][j].lo * dx);
-          acc[r][c] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r][c]);
-          if (!QT::SIGNED) macc[r][c] = std::fma(s[c][j].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r][c]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {  // reduce8's tree: (l + l+4), then (0 + 2) + (1 + 3)
-      __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-      q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-      q = _mm_add_ss(q, _mm_movehdup_ps(q));
-      out[r * ldo + c] = _mm_cvtss_f32(q) + macc[r][c];
-    }
-}
 
 inline float reduce8_avx2(__m256 a) {  // reduce8's tree: (l + l+4), then (0 + 2) + (1 + 3)
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+
+template <int T, int R>
+void dot_tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  Sub s[QT::SUBS];
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    // The weights stream from memory once per step: ask for them ahead (into the next rows near a
+    // row's end), as the bf16 kernel does; without it decode read ~10 GB/s, a third of the bf16 path's.
+    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    QT::subs(blk, s);
+    for (int j = 0; j < QT::SUBS; ++j) {
+      const int64_t b = ib * QT::SUBS + j;
+      const __m256i v = values_avx2<T>(blk, j);
+      const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;  // |v| for the signed types
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
+        const float dx = xq.drow(r0 + r)[b];
+        // x's sign follows v's for the signed types: |v| x sign(v) = v x
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s[j].lo * dx), _mm256_cvtepi32_ps(p), acc[r]);
+        if (!QT::SIGNED) macc[r] = std::fma(s[j].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
 
 // The k-quants in AVX2, dot_k_portable's arithmetic: the sub-blocks' scales applied in int16 x
@@ -516,10 +497,12 @@ void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* ou
     QT::kscales(blk, k);
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // (unrolled: Q6_K's bit shifts become immediates)
       const __m256i v = values_avx2<T>(blk, j);
       const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;
-      const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * j + 1]), _mm_set1_epi16(k.sc[2 * j]));
+      const __m256i sc = T == Q6_K ? _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * j + 1]), _mm_set1_epi16(k.sc[2 * j]))
+                                   : _mm256_set1_epi16(k.sc[2 * j]);  // one scale per 32 weights
       for (int r = 0; r < R; ++r) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + ib * 256 + 32 * j));
         const __m256i p16 = _mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x);
@@ -571,10 +554,10 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
       for (int64_t c = 0; c < cols; ++c) {
         const uint8_t* wc = w + c * ldw;
         switch (R) {
-          case 1: dot_tile_avx2<T, 1, 1>(wc, ldw, xq, r0, o + c, ldo); break;
-          case 2: dot_tile_avx2<T, 2, 1>(wc, ldw, xq, r0, o + c, ldo); break;
-          case 3: dot_tile_avx2<T, 3, 1>(wc, ldw, xq, r0, o + c, ldo); break;
-          default: dot_tile_avx2<T, ROWS, 1>(wc, ldw, xq, r0, o + c, ldo);
+          case 1: dot_tile_avx2<T, 1>(wc, xq, r0, o + c, ldo); break;
+          case 2: dot_tile_avx2<T, 2>(wc, xq, r0, o + c, ldo); break;
+          case 3: dot_tile_avx2<T, 3>(wc, xq, r0, o + c, ldo); break;
+          default: dot_tile_avx2<T, ROWS>(wc, xq, r0, o + c, ldo);
         }
       }
       continue;
