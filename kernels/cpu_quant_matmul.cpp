@@ -140,14 +140,21 @@ struct KScales {
   float d, dmin;
 };
 inline void k4_scales(const uint8_t* b, KScales& k) {
+  // k4_scale_min for all eight at once, four bytes per word: sc 0-3 and m 0-3 are the low 6 bits
+  // of bytes 0-3 and 4-7; sc 4-7 and m 4-7 the nibbles of bytes 8-11, with bits 6-7 of bytes 0-3
+  // and 4-7 as their bits 4-5.
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t words[4] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u),
+                             u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)};
+  uint8_t bytes[16];
+  std::memcpy(bytes, words, 16);
+  for (int j = 0; j < 8; ++j) {
+    k.sc[2 * j] = k.sc[2 * j + 1] = bytes[j];
+    k.m[j] = bytes[8 + j];
+  }
   k.d = half_at(b);
   k.dmin = half_at(b + 2);
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    k4_scale_min(j, b + 4, sc, m);
-    k.sc[2 * j] = k.sc[2 * j + 1] = static_cast<int16_t>(sc);
-    k.m[j] = m;
-  }
 }
 
 // Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: sub-block 2j the
