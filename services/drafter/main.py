@@ -89,7 +89,7 @@ def build_proposer(args):
         from specd.engine.loader import resolve_model_dir
 
         # A head drafts the target's ids: its vocabulary is the target's tokenizer.
-        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(source))
+        vocab_size, vocab_hash = proposer.vocab_size, vocab_hash_of(resolve_model_dir(source, weights=False))
     info = drafter_pb2.DrafterInfoResponse(name=args.name or args.method, method=args.method, model=model or "",
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)

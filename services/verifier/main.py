@@ -152,7 +152,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     if spec is not None and spec.method is None:
         from specd.engine.loader import read_arch_config, resolve_model_dir
 
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model, weights=False)  # config and tokenizer: a .gguf is not converted
         pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
                            args.propose_timeout_ms / 1e3, metrics, security,
                            allowed_addresses(args.allow_drafter_address, startup))

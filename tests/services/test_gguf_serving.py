@@ -68,6 +68,16 @@ def test_verifier_and_gateway_serve_a_gguf_file(gguf_file, offline, launcher):
     gateway = launcher.start("gateway", "gateway", ["--verifier", verifier.address], http=True)
     assert not (gguf_file.parent / "tokenizer.json").exists()
     _chat_like_offline(f"http://{gateway.address}/v1", offline)
+    _no_float32_copy(gguf_file)
+
+
+def _no_float32_copy(gguf_file) -> None:
+    """Served in its own types, the file's weights were never converted (a 1 GB Q4_K_M file is 6 GB
+    of float32): the cache holds its config and tokenizer only."""
+    from specd.kernels import cpu_ops
+
+    if cpu_ops.available():
+        assert not list((gguf_file.parent.parent / "cache" / "gguf").glob("*/model.safetensors"))
 
 
 def test_specd_up_serves_a_gguf_file(gguf_file, offline, launcher):
@@ -81,6 +91,7 @@ def test_specd_up_serves_a_gguf_file(gguf_file, offline, launcher):
         line = proc.stdout.readline()  # blocks until the stack is healthy (or it gave up)
         assert "specd is up" in line, f"{line!r}\n{proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
         _chat_like_offline(f"http://127.0.0.1:{ports[0]}/v1", offline)
+        _no_float32_copy(gguf_file)  # (the verifier's drafter pool reads the tokenizer from the cache too)
     finally:
         proc.send_signal(signal.SIGTERM)  # specd up stops its services on SIGTERM (a kill would orphan them)
         try:
