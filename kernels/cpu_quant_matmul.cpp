@@ -534,6 +534,17 @@ void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* ou
 
 constexpr int ROWS = 4;  // rows of x per pass over the weight rows
 
+// f(std::integral_constant<int, R>) for R = rows (1 .. ROWS): the kernels take R as a template argument.
+template <class F>
+void with_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: return f(std::integral_constant<int, ROWS>());
+  }
+}
+
 // `cols` weight rows (ldw bytes apart) against all M rows of x -> out[M][ldo], columns 0 .. cols-1.
 template <int T>
 void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows& xq, int64_t M, float* out,
@@ -544,29 +555,17 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
 #if defined(__AVX2__)
     if constexpr (Q<T>::BLOCK == 256) {
       if (!portable()) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const uint8_t* wc = w + c * ldw;
-          switch (R) {
-            case 1: dot_k_avx2<T, 1>(wc, xq, r0, o + c, ldo); break;
-            case 2: dot_k_avx2<T, 2>(wc, xq, r0, o + c, ldo); break;
-            case 3: dot_k_avx2<T, 3>(wc, xq, r0, o + c, ldo); break;
-            default: dot_k_avx2<T, ROWS>(wc, xq, r0, o + c, ldo);
-          }
-        }
+        with_rows(R, [&](auto r) {
+          for (int64_t c = 0; c < cols; ++c) dot_k_avx2<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
+        });
         continue;
       }
     } else if (!portable()) {
       // One weight row at a time: two or four interleaved rows (more fma chains in flight) streamed
       // the weights 1.2-1.9x slower at batch 1 on the AVX2 EPYC (bench: all of a Q8_0 model's matmuls).
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t* wc = w + c * ldw;
-        switch (R) {
-          case 1: dot_tile_avx2<T, 1>(wc, xq, r0, o + c, ldo); break;
-          case 2: dot_tile_avx2<T, 2>(wc, xq, r0, o + c, ldo); break;
-          case 3: dot_tile_avx2<T, 3>(wc, xq, r0, o + c, ldo); break;
-          default: dot_tile_avx2<T, ROWS>(wc, xq, r0, o + c, ldo);
-        }
-      }
+      with_rows(R, [&](auto r) {
+        for (int64_t c = 0; c < cols; ++c) dot_tile_avx2<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
+      });
       continue;
     }
 #endif

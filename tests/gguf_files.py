@@ -70,6 +70,21 @@ def hf_model(arch: str, out: Path, vocab_size: int, hidden_size: int = 64, inter
     return out
 
 
+def prompt_logits(llm, ids: list[int]) -> torch.Tensor:
+    """The engine's logits for every position of `ids`, prefilled in one step (float32, on the CPU)."""
+    from specd.engine.scheduler import ScheduledSeq
+    from specd.engine.sequence import Sequence
+    from specd.sampling import SamplingParams
+
+    engine = llm.engine
+    seq = Sequence(ids, SamplingParams())
+    assert engine.block_manager.allocate(seq, len(ids))
+    try:
+        return engine.runner.run([ScheduledSeq(seq, len(ids), len(ids))]).float().cpu()
+    finally:
+        engine.block_manager.free(seq)
+
+
 def permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
     """convert_hf_to_gguf.py LlamaModel.permute: interleave each head's rotary halves."""
     if n_head_kv is not None and n_head != n_head_kv:

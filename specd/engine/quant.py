@@ -105,9 +105,6 @@ class QuantEmbedding(nn.Module):
         return torch.ops.specd_cpu.quant_dequantize_rows(self.packed, ids.reshape(-1)).to(torch.bfloat16).view(
             *ids.shape, self.embedding_dim)
 
-    def dequantized(self) -> torch.Tensor:
-        return torch.ops.specd_cpu.quant_dequantize_rows(self.packed, torch.arange(self.num_embeddings))
-
 
 # On a GPU (kernels/quant_matmul_triton.py): the GGUF types whose blocks map onto its format without
 # loss (groups of 32 along K): Q8_0 -> int8 and a scale; Q4_0, Q4_1 -> 4 bits, a scale and a min.

@@ -8,7 +8,6 @@ an error naming the file and the part.
 """
 from __future__ import annotations
 
-import functools
 import json
 import struct
 from pathlib import Path
@@ -208,14 +207,6 @@ def read_header(path: Path) -> tuple[str, list[TensorInfo]]:
 
 
 def _open(path: Path):
-    """The file's GGUFReader, parsed once per process (its metadata takes seconds: every token of
-    the vocabulary is a field part); keyed by the file's identity, so an edited file is read again."""
-    st = Path(path).stat()
-    return _open_cached(str(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_cached(path: str, size: int, mtime_ns: int):
     import gguf
 
     class Reader(gguf.GGUFReader):

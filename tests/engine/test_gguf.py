@@ -29,7 +29,7 @@ from specd.cache import file_sha256  # noqa: E402
 from specd.models.gguf_convert import GGUFError  # noqa: E402
 
 from gguf_files import (ARCHS, BOS, EOS, SPECIALS, TEMPLATE, USER_DEFINED, bpe_tokenizer, hf_model,  # noqa: E402
-                        write_gguf)
+                        prompt_logits, write_gguf)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,19 +74,6 @@ def llm(tiny):
     return LLM(str(tiny["gguf"]), dtype="float32", device="cpu", max_num_seqs=4)
 
 
-def _engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    from specd.engine.scheduler import ScheduledSeq
-    from specd.engine.sequence import Sequence
-
-    engine = llm.engine
-    seq = Sequence(ids, SamplingParams())
-    assert engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.runner.run([ScheduledSeq(seq, len(ids), len(ids))])
-    finally:
-        engine.block_manager.free(seq)
-
-
 def _greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
@@ -108,7 +95,7 @@ def test_logits_equal_transformers_gguf_loader(llm, hf_gguf):
     for ids in PROMPTS:
         with torch.no_grad():
             ref = hf_gguf(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(_engine_logits(llm, ids), ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(prompt_logits(llm, ids), ref, rtol=0, atol=1e-5)
 
 
 def test_greedy_tokens_gguf_equal_converted_dir_and_transformers(tiny, llm, hf_gguf):

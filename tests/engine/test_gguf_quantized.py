@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from drafter_helpers import perturbed_copy  # noqa: E402
-from gguf_files import bpe_tokenizer, hf_model, write_gguf  # noqa: E402
+from gguf_files import bpe_tokenizer, hf_model, prompt_logits, write_gguf  # noqa: E402
 from specd import LLM, SamplingParams  # noqa: E402
 from specd.engine.quant import QuantEmbedding, QuantLinear  # noqa: E402
 from specd.kernels import cpu_ops  # noqa: E402
@@ -56,19 +56,6 @@ def quantized(files):
     return LLM(str(files["mixed"]), device="cpu", max_model_len=256)
 
 
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    from specd.engine.scheduler import ScheduledSeq
-    from specd.engine.sequence import Sequence
-
-    engine = llm.engine
-    seq = Sequence(ids, SamplingParams())
-    assert engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.runner.run([ScheduledSeq(seq, len(ids), len(ids))])
-    finally:
-        engine.block_manager.free(seq)
-
-
 def test_matmuls_stay_in_the_files_types(quantized):
     model = quantized.engine.model
     assert quantized.engine.dtype == torch.bfloat16 and model.exact
@@ -90,7 +77,7 @@ def test_logits_are_close_to_the_dequantized_float32_reference(files, quantized)
     bf16 = LLM(str(files["mixed"]), dtype="bfloat16", device="cpu", max_model_len=256)
     assert reference.engine.model.quantization is None  # an explicit dtype dequantizes
     for ids in PROMPTS:
-        ours, ref, dequantized = _logits(quantized, ids), _logits(reference, ids), _logits(bf16, ids)
+        ours, ref, dequantized = prompt_logits(quantized, ids), prompt_logits(reference, ids), prompt_logits(bf16, ids)
         spread = (ref.max(-1).values - ref.min(-1).values).min().item()
         err, bf16_err = (ours - ref).abs().max().item(), (dequantized - ref).abs().max().item()
         assert err < 0.06 * spread and err < 4 * bf16_err, (err / spread, bf16_err / spread)
@@ -136,7 +123,7 @@ def test_types_without_a_kernel_are_dequantized_with_a_log_line(files, caplog):
     assert model.quantization.startswith("Q8_0")  # the linears whose parts all have kernels stay quantized
     assert any(not isinstance(m, QuantLinear) for m in model.model.layers[0].modules() if hasattr(m, "out_features"))
     reference = LLM(str(files["no_kernel"]), dtype="float32", device="cpu", max_model_len=256)
-    ours, ref = _logits(llm, PROMPTS[0]), _logits(reference, PROMPTS[0])
+    ours, ref = prompt_logits(llm, PROMPTS[0]), prompt_logits(reference, PROMPTS[0])
     spread = (ref.max(-1).values - ref.min(-1).values).min().item()
     assert (ours - ref).abs().max().item() < 0.05 * spread
 
@@ -164,4 +151,4 @@ def test_resident_size_stays_near_the_files(files):
     assert quantized_bytes <= packed <= quantized_bytes + 64 * 4 * 100 + 2 * 4096
     dense = [n for n, p in model.named_parameters() if p.dim() == 2]
     assert dense == []
-    assert np.isfinite(_logits(LLM(str(files["mixed"]), device="cpu", max_model_len=256), PROMPTS[0]).numpy()).all()
+    assert np.isfinite(prompt_logits(LLM(str(files["mixed"]), device="cpu", max_model_len=256), PROMPTS[0]).numpy()).all()

@@ -132,7 +132,7 @@ def test_a_gguf_files_q8_0_and_q4_parts_serve_through_it(tmp_path, monkeypatch):
     int8, Q4_0 and Q4_1 parts int4 for this kernel, the file's F16/BF16 parts dense; logits close to
     the same file dequantized to bfloat16, and greedy speculation gives plain decoding's tokens."""
     pytest.importorskip("gguf")
-    from gguf_files import bpe_tokenizer, hf_model, write_gguf
+    from gguf_files import bpe_tokenizer, hf_model, prompt_logits, write_gguf
     from specd import LLM, SamplingParams
     from specd.engine.quant import GroupQuantLinear
 
@@ -148,18 +148,7 @@ def test_a_gguf_files_q8_0_and_q4_parts_serve_through_it(tmp_path, monkeypatch):
     assert kinds == {0, 4, 8}  # int8 (Q8_0), int4 (Q4_0, Q4_1), dense (F16, BF16 parts)
     assert model.quantization.startswith(("int8", "int4"))
 
-    def logits(engine):
-        from specd.engine.scheduler import ScheduledSeq
-        from specd.engine.sequence import Sequence
-
-        seq = Sequence(ids, SamplingParams())
-        assert engine.block_manager.allocate(seq, len(ids))
-        try:
-            return engine.runner.run([ScheduledSeq(seq, len(ids), len(ids))]).float().cpu()
-        finally:
-            engine.block_manager.free(seq)
-
-    ours, ref = logits(llm.engine), logits(reference.engine)
+    ours, ref = prompt_logits(llm, ids), prompt_logits(reference, ids)
     assert (ours - ref).abs().max().item() < 0.05 * (ref.max() - ref.min()).item()
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     plain = llm.generate([{"prompt_token_ids": ids}], sp)[0].token_ids
