@@ -36,3 +36,18 @@ def record_tree_paths(llm) -> list[tuple[list[int] | None, list[int]]]:
 
     engine.sampler = Recording()
     return seen
+
+
+def parallel_copy(drafter: str, out, pard_token: int, parallel_drafts: int | None = None) -> str:
+    """drafter's directory with a PARD mask token in its config: the proposer then drafts a chain
+    in one forward (the weights were not trained for it, so drafts past the first are guesses)."""
+    import json
+    import shutil
+
+    shutil.copytree(drafter, out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config["pard_token"] = pard_token
+    if parallel_drafts is not None:
+        config["specd_drafter"] = {**config.get("specd_drafter", {}), "parallel_drafts": parallel_drafts}
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)

@@ -94,6 +94,7 @@ def build_proposer(args):
                                            vocab_size=vocab_size, vocab_hash=vocab_hash,
                                            max_k=args.num_speculative_tokens)
     describe_features(proposer, info)
+    info.one_forward = bool(getattr(proposer, "one_forward", False))
     if getattr(args, "pipeline", False):
         from specd.proposers.pipeline import DEFAULT_BRANCHES, PipelinedProposer
 

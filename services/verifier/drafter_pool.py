@@ -155,6 +155,11 @@ class DrafterPool:
         """The target hidden states the engine captures: every registered drafter's, merged."""
         return tuple(sorted({j for c in list(self.drafters.values()) for j in c.feature_layers}))
 
+    def one_forward_of(self, name: str) -> bool:
+        """Whether drafter `name` drafts all k in one forward (its Info says so)."""
+        client = self.drafters.get(name)
+        return bool(client is not None and client.info is not None and client.info.one_forward)
+
     # -- requests ----------------------------------------------------------------
     def check_choice(self, name: str | None) -> None:
         if name and name not in self.drafters:
@@ -362,6 +367,9 @@ class PoolProposer:
 
     def pinned_drafter(self, seq_id: int) -> str | None:
         return self.pool.seq_choice.get(seq_id)
+
+    def one_forward_of(self, name: str) -> bool:
+        return self.pool.one_forward_of(name)
 
 
 def _in_bounds(p, k: int, trusted: bool) -> bool:

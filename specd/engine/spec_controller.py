@@ -83,11 +83,14 @@ class _Drafter:
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     made: _Acceptance = field(default_factory=_Acceptance)  # proposals with drafts / proposals
 
+    one_forward: bool = False  # all k drafts from one forward (parallel drafting): a call costs one step
+
     def seconds(self, num_seqs: int, k: int) -> float:
         """Expected wait for drafts: k draft steps over num_seqs sequences, less what was drafted ahead."""
         if k <= 0:
             return 0.0
-        return (1 - self.hit_rate) * self.cost(num_seqs) * k + self.hit_rate * self.hit_wait
+        steps = 1 if self.one_forward else k
+        return (1 - self.hit_rate) * self.cost(num_seqs) * steps + self.hit_rate * self.hit_wait
 
 
 @dataclass
@@ -283,12 +286,14 @@ class SpecController:
         return self.drafter(name).seconds(num_seqs, k)
 
     def observe_draft(self, steps: int, num_seqs: int, seconds: float, cached: float = 0.0,
-                      name: str | None = None) -> None:
-        """A propose call: `steps` draft steps (the largest k) over `num_seqs` sequences, a share
-        `cached` of them answered from a pipelined drafter's draft cache."""
+                      name: str | None = None, one_forward: bool = False) -> None:
+        """A propose call: `steps` draft steps (the largest k; 1 for a drafter that drafts in one
+        forward) over `num_seqs` sequences, a share `cached` of them answered from a pipelined
+        drafter's draft cache."""
         if steps <= 0 or num_seqs <= 0:
             return
         d = self.drafter(name)
+        d.one_forward = one_forward
         d.hit_rate = 0.9 * d.hit_rate + 0.1 * cached
         if cached >= 1.0:
             d.hit_wait = seconds if d.hit_wait == 0.0 else 0.9 * d.hit_wait + 0.1 * seconds

@@ -140,8 +140,14 @@ class Speculator:
             self.controller.observe_proposal(p.seq_id, name, bool(p.token_ids))
             by_drafter[name].append(p)
         for name, ps in by_drafter.items():
-            self.controller.observe_draft(max(asked[p.seq_id] for p in ps), len(ps), seconds,
-                                          sum(p.cached for p in ps) / len(ps), name)
+            one = self._one_forward(name)
+            self.controller.observe_draft(1 if one else max(asked[p.seq_id] for p in ps), len(ps), seconds,
+                                          sum(p.cached for p in ps) / len(ps), name, one_forward=one)
+
+    def _one_forward(self, name: str | None) -> bool:
+        """Whether the drafter drafts all k in one forward (a pool asks the drafter's Info)."""
+        of = getattr(self.proposer, "one_forward_of", None)
+        return of(name) if of is not None and name is not None else bool(getattr(self.proposer, "one_forward", False))
 
     @staticmethod
     def _features(seq: Sequence, layers: tuple[int, ...], start: int, end: int):

@@ -17,6 +17,13 @@ replacement); each next forward runs the newest nodes with a tree attention mask
 the committed context and its ancestors, specd/engine/attention.py) and gives each of them
 b_d children. Nodes are in breadth-first order, at most tree_max_nodes.
 
+Parallel drafting (PARD, Chen et al. 2025; a draft model whose config has `pard_token`, as vLLM
+reads it): one forward drafts the whole chain. The drafter runs the catch-up chunk followed by
+k - 1 copies of the mask token; the last committed token's row gives draft 1 and the j-th mask's
+row draft j + 1, each from the committed context alone (a valid proposal: the verifier's
+acceptance only needs the q each draft was drawn from). The masks' KV is rolled back like drafts.
+A k-token draft then costs one small forward instead of k.
+
 Dynamic trees (tree_dynamic, greedy drafts; EAGLE-2's idea): the shape follows the drafter's
 confidence. A node's score is its path probability (the product of the drafter's probabilities
 from the root). At depth d the b_d best-scored nodes of the newest depth are run, each giving its
@@ -25,6 +32,7 @@ outscores its parent, so that set holds every proposed node's ancestors.
 """
 from __future__ import annotations
 
+import json
 import secrets
 
 import torch
@@ -74,6 +82,8 @@ class DraftModelProposer:
         # chains mask their drafts with a constrained request's grammar (trees draft unmasked)
         self.grammar = DraftGrammars(ckpt.dir, self.arch.vocab_size, self.arch.eos_token_ids,
                                      enabled=mask_structured and not self.tree_branching)
+        self.pard_token, self.max_parallel = _parallel_drafting(ckpt.dir)
+        self.one_forward = self.pard_token is not None and not self.tree_branching  # a call's cost is flat in k
 
     @property
     def vocab_size(self) -> int:
@@ -108,7 +118,8 @@ class DraftModelProposer:
         outputs = {seq.seq_id: len(seq.output_token_ids) for seq, _ in active}
         with torch.inference_mode():
             draft = self._draft_dynamic_tree if self.tree_dynamic else \
-                self._draft_tree if self.tree_branching else self._draft
+                self._draft_tree if self.tree_branching else \
+                self._draft_parallel if self.pard_token is not None else self._draft
             draft(active, out)
         self.grammar.end_call()
         for seq, _ in active:  # roll back: state holds committed tokens only
@@ -147,7 +158,7 @@ class DraftModelProposer:
             for (seq, req), row in zip(live, logits):
                 prop = out[seq.seq_id]
                 if self._sampled(req):
-                    token, ids, probs = self._sample_sparse(seq, row, req)
+                    token, ids, probs = self._sample_sparse(len(seq), row, req)
                     prop.q_ids.append(ids)
                     prop.q_probs.append(probs)
                 else:
@@ -157,6 +168,45 @@ class DraftModelProposer:
                     record_alternatives(prop, row, token, req)
                 self.grammar.push(seq.seq_id, token)
                 seq.output_token_ids.append(token)  # fed as input of the next draft step
+
+    def _draft_parallel(self, active, out) -> None:
+        """One forward for every chain: [catch-up chunk, k - 1 masks], k rows of logits each."""
+        live, entries, committed = [], [], {}
+        for seq, req in active:
+            k = min(req.k, self.max_parallel)
+            committed[seq.seq_id] = n = len(seq)
+            seq.output_token_ids.extend([self.pard_token] * (k - 1))
+            if not self._room(seq):
+                del seq.output_token_ids[len(seq.output_token_ids) - (k - 1):]
+                continue
+            live.append((seq, req, k))
+            entries.append(ScheduledSeq(seq, len(seq) - seq.num_computed_tokens, k))
+            assert len(seq) == n + k - 1
+        if not entries:
+            return
+        logits = self.runner.run(entries)
+        for e in entries:
+            e.seq.num_computed_tokens += e.num_new_tokens
+        first = [sum(k for *_, k in live[:i]) for i in range(len(live))]  # each chain's first row
+        for j in range(max(k for *_, k in live)):
+            # Draft j of every chain still going, masked by its grammar after drafts 1..j-1.
+            chains = [(i, s, r) for i, (s, r, k) in enumerate(live) if k > j and not self.grammar.stopped(s.seq_id)]
+            if not chains:
+                return
+            rows = self.grammar.mask([s.seq_id for _, s, _ in chains],
+                                     logits[torch.tensor([first[i] + j for i, _, _ in chains])])
+            for (_, seq, req), row in zip(chains, rows):
+                prop = out[seq.seq_id]
+                if self._sampled(req):
+                    token, ids, probs = self._sample_sparse(committed[seq.seq_id] + j, row, req)
+                    prop.q_ids.append(ids)
+                    prop.q_probs.append(probs)
+                else:
+                    token = int(row.argmax())
+                prop.token_ids.append(token)
+                if req.alternatives:
+                    record_alternatives(prop, row, token, req)
+                self.grammar.push(seq.seq_id, token)
 
     def _draft_tree(self, active, out) -> None:
         # Per sequence: the committed length (the tree's base) and the nodes of the newest depth.
@@ -270,13 +320,14 @@ class DraftModelProposer:
     def _sampled(self, req: ProposeRequest) -> bool:
         return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
 
-    def _sample_sparse(self, seq: Sequence, logits: torch.Tensor, req: ProposeRequest):
+    def _sample_sparse(self, length: int, logits: torch.Tensor, req: ProposeRequest):
+        """A draft following `length` tokens (committed + drafts before it)."""
         top = (logits.float() / req.temperature).topk(min(self.top_k, logits.shape[-1]))
         probs = top.values.softmax(-1)
         # A seeded request draws from (seed, position), so its drafts (and therefore its final
         # tokens) depend neither on the other sequences in the batch nor on resyncs.
         gen = self.generator if req.seed is None else \
-            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, len(seq)))
+            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, length))
         choice = int(torch.multinomial(probs, 1, generator=gen))
         return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
 
@@ -305,3 +356,17 @@ class DraftModelProposer:
             seq = self.seqs.pop(sid, None)
             if seq is not None:
                 self.blocks.free(seq)
+
+
+def _parallel_drafting(model_dir) -> tuple[int | None, int]:
+    """(the mask token, the most drafts one forward may make) of a parallel (PARD) draft model,
+    or (None, 0). The count is what the drafter was trained for where its config says so."""
+    try:
+        with open(f"{model_dir}/config.json") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None, 0
+    token = config.get("pard_token")
+    if token is None:
+        return None, 0
+    return int(token), int((config.get("specd_drafter") or {}).get("parallel_drafts", 1 << 30))

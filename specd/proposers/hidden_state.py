@@ -94,6 +94,7 @@ class HiddenStateProposer:
         if any(not 0 <= i <= L for i in self.feature_layers):
             raise ValueError(f"{where}: feature layers {self.feature_layers} outside [0, {L}] for this target")
         self.max_k = min(num_speculative_tokens, getattr(self.head, "max_k", num_speculative_tokens))
+        self.one_forward = method == "medusa"  # every head reads the same row: a call's cost is flat in k
         self.max_positions = getattr(self.head, "max_positions", pieces.arch.max_position_embeddings)
         self.sample_method, self.top_k = sample_method, top_k
         self.generator = torch.Generator(device=self.device).manual_seed(

@@ -13,7 +13,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self, challenge: _Optional[bytes] = ...) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k", "proof", "max_history_tokens", "feature_layers", "hidden_size", "target_layers", "target_fingerprint")
+    __slots__ = ("name", "method", "model", "vocab_size", "vocab_hash", "max_k", "proof", "max_history_tokens", "feature_layers", "hidden_size", "target_layers", "target_fingerprint", "one_forward")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DrafterInfoResponse(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ONE_FORWARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     method: str
     model: str
@@ -38,7 +39,8 @@ class DrafterInfoResponse(_message.Message):
     hidden_size: int
     target_layers: int
     target_fingerprint: str
-    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ..., proof: _Optional[bytes] = ..., max_history_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_layers: _Optional[int] = ..., target_fingerprint: _Optional[str] = ...) -> None: ...
+    one_forward: bool
+    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ..., proof: _Optional[bytes] = ..., max_history_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., target_layers: _Optional[int] = ..., target_fingerprint: _Optional[str] = ..., one_forward: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "shape", "dtype")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from drafter_helpers import perturbed_copy
+from drafter_helpers import parallel_copy, perturbed_copy
 from letters_model import tiny16_pair
 from specd import SamplingParams
 
@@ -29,7 +29,12 @@ def drafter(target, tmp_path_factory) -> str:
     return perturbed_copy(target, tmp_path_factory.mktemp("drafter"), scale=0.03)
 
 
-def _methods(target: str, drafter: str) -> dict[str, dict]:
+@pytest.fixture(scope="module")
+def parallel_drafter(drafter, tmp_path_factory) -> str:
+    return parallel_copy(drafter, tmp_path_factory.mktemp("parallel"), pard_token=3)
+
+
+def _methods(target: str, drafter: str, parallel: str | None = None) -> dict[str, dict]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
@@ -37,6 +42,9 @@ def _methods(target: str, drafter: str) -> dict[str, dict]:
         "draft_model_self": {"method": "draft_model", "model": target, "num_speculative_tokens": 4},
         "draft_model_sampled": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3,
                                 "draft_sample_method": "sampled", "draft_top_k": 4},
+        "draft_model_parallel": {"method": "draft_model", "model": parallel, "num_speculative_tokens": 4},
+        "draft_model_parallel_sampled": {"method": "draft_model", "model": parallel, "num_speculative_tokens": 3,
+                                         "draft_sample_method": "sampled", "draft_top_k": 4},
     }
 
 
@@ -45,15 +53,16 @@ def _repetitive_prompts(make_prompts, n: int, seed: int) -> list[list[int]]:
     return [p * (1 + i % 3) for i, p in enumerate(make_prompts(n, seed=seed, max_len=30))]
 
 
-METHODS = ["ngram", "suffix", "draft_model", "draft_model_self", "draft_model_sampled"]
+METHODS = ["ngram", "suffix", "draft_model", "draft_model_self", "draft_model_sampled", "draft_model_parallel"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_identical_to_plain_and_transformers(method, target, drafter, get_llm, make_prompts, hf_greedy):
+def test_greedy_identical_to_plain_and_transformers(method, target, drafter, parallel_drafter, get_llm,
+                                                    make_prompts, hf_greedy):
     prompts = _repetitive_prompts(make_prompts, 16, seed=5)
     plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
-    spec_llm = get_llm(target, fresh=True, speculative_config=_methods(target, drafter)[method])
+    spec_llm = get_llm(target, fresh=True, speculative_config=_methods(target, drafter, parallel_drafter)[method])
     outs = spec_llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == plain
     for p, o in zip(prompts[:6], outs):
@@ -97,9 +106,10 @@ def test_stop_token_inside_accepted_drafts_and_max_tokens(target, get_llm, make_
         assert out.token_ids == ref[0].token_ids[:max_tokens] and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model_sampled"])
-def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target, drafter, get_llm, make_prompts):
-    cfg = _methods(target, drafter)[method]
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model_sampled", "draft_model_parallel_sampled"])
+def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target, drafter, parallel_drafter, get_llm,
+                                                                  make_prompts):
+    cfg = _methods(target, drafter, parallel_drafter)[method]
     prompts = _repetitive_prompts(make_prompts, 9, seed=13)
     seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=1234, ignore_eos=True)
     alone = get_llm(target, fresh=True, speculative_config=cfg).generate([prompts[0]], seeded)[0]
@@ -123,14 +133,17 @@ def _exact_second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
     return (p1[:, None] * p2).sum(0)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled", "draft_model_parallel_sampled"])
 def test_end_to_end_samples_follow_the_target_distribution(method, tmp_path_factory, get_llm):
     target, drafter, hf_model = _tiny_vocab_pair(tmp_path_factory)
     prompt = [1, 5, 7, 9, 5, 7, 9, 5, 7]  # repetitive: prompt lookup drafts at the decode step
+    sampled = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 1, "adaptive": False,
+               "draft_sample_method": "sampled", "draft_top_k": 4}
+    if method == "draft_model_parallel_sampled":  # two drafts per step: the second from a mask row
+        sampled.update(model=parallel_copy(drafter, tmp_path_factory.mktemp("parallel16"), pard_token=15),
+                       num_speculative_tokens=2)
     cfg = ({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "adaptive": False}
-           if method == "ngram" else
-           {"method": "draft_model", "model": drafter, "num_speculative_tokens": 1, "adaptive": False,
-            "draft_sample_method": "sampled", "draft_top_k": 4})
+           if method == "ngram" else sampled)
     n = 12_000
     llm = get_llm(target, fresh=True, max_num_seqs=1024, speculative_config=cfg)
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)

@@ -169,6 +169,28 @@ def test_drafts_taken_from_a_pipelined_drafters_cache_cost_only_the_wait():
     assert c.choose([(0, 4, None)], base_tokens=1)[0] > 0
 
 
+def test_a_drafter_that_drafts_in_one_forward_is_priced_per_call_not_per_token():
+    """A parallel drafter's call costs the same for any k: priced as one step, it gets the chain
+    that fills the verify tile, where a drafter with the same call time at k = 4 but one forward
+    per token is given a shorter one (each draft costs it a forward)."""
+    def tile(t):  # 1-4 tokens cost one matmul tile, 5-8 two
+        return 0.010 if t <= 4 else 0.018
+
+    seq = _trained(tile, alpha=0.5, seqs=[0])
+    par = _trained(tile, alpha=0.5, seqs=[0])
+    for c in (seq, par):
+        for t in range(1, 9):
+            for _ in range(5):
+                c.observe_verify(t, tile(t))
+    for _ in range(20):
+        seq.observe_draft(4, 1, 0.004)  # 4 ms for 4 drafts: 1 ms per forward
+        par.observe_draft(1, 1, 0.004, one_forward=True)  # 4 ms for any k
+    assert abs(seq.draft_seconds(1, 4) - 0.004) < 1e-9 and abs(seq.draft_seconds(1, 1) - 0.001) < 1e-9
+    assert abs(par.draft_seconds(1, 1) - 0.004) < 1e-9 and abs(par.draft_seconds(1, 4) - 0.004) < 1e-9
+    assert par.choose([(0, 4, None)], base_tokens=1) == [3]  # 4 rows verify for the price of 1
+    assert seq.choose([(0, 4, None)], base_tokens=1)[0] < 3
+
+
 def _two_drafters(verify, seqs: dict, model_step_s: float = 0.003, suffix_call_s: float = 0.0003) -> SpecController:
     """A controller that has seen a draft model (model_step_s per draft step) and a suffix index
     (one cheap round trip per call) draft for `seqs`: {seq_id: {drafter: (alpha, share with drafts)}}."""

@@ -21,14 +21,16 @@ HELP = "train the draft model for a target by distillation (default: the default
 # method -> (module, its whole-run function) for the heads on the target's hidden states
 HEAD_TRAINERS = {"eagle3": ("specd_train.drafter.eagle3", "train_eagle3"),
                  "medusa": ("specd_train.drafter.medusa", "train_medusa"),
-                 "mlp_speculator": ("specd_train.drafter.mlp_speculator", "train_mlp_speculator")}
+                 "mlp_speculator": ("specd_train.drafter.mlp_speculator", "train_mlp_speculator"),
+                 "parallel": ("specd_train.drafter.parallel_run", "train_parallel")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", *HEAD_TRAINERS],
                    help="what to train (draft_model: a few-layer model sharing the target's embeddings; "
                         "eagle, eagle3, medusa, mlp_speculator: a head on the target's hidden states, "
-                        "written to --out)")
+                        "written to --out; parallel: the committed drafter adapted to draft k tokens in one "
+                        "forward, on the `specd drafter-data` shards)")
     p.add_argument("--target", default=None, help="target model directory (default: the fetched default target)")
     p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct-drafter)")
     p.add_argument("--prompts", type=int, default=640,
@@ -39,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-dtype", default="bfloat16", help="dtype of the target while answering")
     p.add_argument("--layers", default="0,1", help="target layers the drafter's layers start from")
     p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--max-conversations", type=int, default=None,
+                   help="parallel: train on the first N conversations of the drafter-data shards (default: all)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per workload")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--card-only", action="store_true",

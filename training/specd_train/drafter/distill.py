@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specd_train.drafter import precision
+
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -136,7 +138,7 @@ def _loss(head: SubsetHead, batch: list[Example], cfg: DistillConfig) -> torch.T
     valid = mask.bool()
     top_ids = torch.cat([e.top_ids.long() for e in batch])  # [N, K] in the order of valid positions
     top_logp = torch.cat([e.top_logp.float() for e in batch])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with precision.autocast():
         h = head.hidden(inputs, mask)[valid]  # [N, H]: padding never reaches the head
         logq = F.log_softmax(head.logits(h).float(), dim=-1)  # [N, V_d]
     draft_ids = head.to_draft[top_ids]  # [N, K]; -1 where the draft vocab lacks the token

@@ -27,6 +27,7 @@ from torch import nn
 from specd_train.drafter.head_training import acceptance, d2t, draft_vocabulary, target_features  # noqa: F401
 from specd_train.drafter.head_training import train as train_loop
 from specd_train.drafter.head_training import write_checkpoint
+from specd_train.drafter import precision
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def _loss(head: EagleTrainHead, seqs, feats, prompt_lens, batch: list[int], cfg:
     if gen is not None and cfg.noise:
         inp = inp + torch.randn(inp.shape, generator=gen) * (0.1 * cfg.noise * std)
     valid = weight > 0
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with precision.autocast():
         h = head(tokens, inp, valid.long())[valid].float()
         logq = F.log_softmax(head.logits(h).float(), dim=-1)
         with torch.no_grad():

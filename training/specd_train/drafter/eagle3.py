@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd_train.drafter import head_training as ht
+from specd_train.drafter import precision
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Eagle3TrainHead(nn.Module):
             goal[b, :n] = final[i][1:].float()  # f_{j+1}: the target's distribution of x_{j+2}
             weight[b, :n] = ht.position_weights(n + 1, prompt_lens[i], cfg.prompt_weight)[1:]
         total, agree0 = 0.0, None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with precision.autocast():
             outs = self.forward(tokens, inp, cfg.ttt_steps)
             for s, out in enumerate(outs):
                 w = weight.clone()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd_train.drafter import head_training as ht
+from specd_train.drafter import precision
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class MedusaTrainHeads(nn.Module):
 
     def loss(self, seqs, final, prompt_lens, batch, cfg: MedusaConfig):
         inp, _, goal, w = ht.ahead_targets(seqs, final, prompt_lens, batch, cfg.num_heads - 1, cfg.prompt_weight)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with precision.autocast():
             logits = [self.head_logits(inp, a) for a in range(cfg.num_heads)]
             return ht.ahead_loss(logits, goal, w, self.lm_rows, cfg.decay)
 

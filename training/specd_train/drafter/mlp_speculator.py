@@ -26,6 +26,7 @@ from torch import nn
 
 from specd.proposers.heads.mlp_speculator import _ln
 from specd_train.drafter import head_training as ht
+from specd_train.drafter import precision
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class MLPSpeculatorTrain(nn.Module):
 
     def loss(self, seqs, final, prompt_lens, batch, cfg: MLPSpeculatorConfig):
         inp, toks, goal, w = ht.ahead_targets(seqs, final, prompt_lens, batch, cfg.n_predict - 1, cfg.prompt_weight)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with precision.autocast():
             return ht.ahead_loss(self.stages(inp, toks), goal, w, self.lm_rows, cfg.decay)
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
