@@ -484,8 +484,63 @@ void dot_tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float*
   for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
 
+// A k-quant block's integer scales in registers (AVX2): sc holds, per 128-bit lane, the int16 scales
+// that lane's half of a sub-block takes, sub-block j in element j (Q4_K / Q5_K: lane 0 = lane 1 =
+// sc_j; Q6_K: lane 0 = sc_2j, lane 1 = sc_2j+1); m the eight mins as int32 (zero for Q6_K). The same
+// integers as kscales() writes to KScales, unpacked with a few vector ops instead of a scalar loop.
+struct KScalesAvx2 {
+  __m256i sc, m;
+  float d, dmin;
+};
+inline void k4_scales_avx2(const uint8_t* b, KScalesAvx2& k) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  // k4_scales' words: bytes 0-7 the scales, 8-15 the mins
+  const __m128i bytes = _mm_setr_epi32(static_cast<int>(u[0] & 0x3f3f3f3fu),
+                                       static_cast<int>((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)),
+                                       static_cast<int>(u[1] & 0x3f3f3f3fu),
+                                       static_cast<int>(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)));
+  k.sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(bytes));
+  k.m = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  k.d = half_at(b);
+  k.dmin = half_at(b + 2);
+}
+template <int T> inline void kscales_avx2(const uint8_t* b, KScalesAvx2& k) { k4_scales_avx2(b, k); }
+template <> inline void kscales_avx2<Q6_K>(const uint8_t* b, KScalesAvx2& k) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m128i even_odd = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  k.sc = _mm256_cvtepi8_epi16(even_odd);  // lane 0: sc_0, sc_2, ..; lane 1: sc_1, sc_3, ..
+  k.m = _mm256_setzero_si256();
+  k.d = half_at(b + 208);
+  k.dmin = 0.0f;
+}
+// Element j of each 128-bit lane's int16s, broadcast within the lane.
+template <int J> inline __m256i lane_element16(__m256i v) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * J) | ((2 * J + 1) << 8))));
+}
+inline int32_t sum8_epi32(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(t);
+}
+
+template <int T, int J, int R>
+inline void k_sub_avx2(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
+                       __m256i* isum) {
+  const __m256i v = values_avx2<T>(blk, J);
+  const __m256i vu = Q<T>::SIGNED ? _mm256_sign_epi8(v, v) : v;
+  const __m256i s = lane_element16<J>(sc);
+  for (int r = 0; r < R; ++r) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + ib * 256 + 32 * J));
+    const __m256i p16 = _mm256_maddubs_epi16(vu, Q<T>::SIGNED ? _mm256_sign_epi8(x, v) : x);
+    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16, s));
+  }
+}
+
 // The k-quants in AVX2, dot_k_portable's arithmetic: the sub-blocks' scales applied in int16 x
-// int16 -> int32 (madd), summed over the block in int32, one float fma per block.
+// int16 -> int32 (madd), summed over the block in int32, one float fma per block. (Integer sums:
+// their order does not change them, so vectorising the scales and mins kept every bit.)
 template <int T, int R>
 void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
   using QT = Q<T>;
@@ -496,33 +551,28 @@ void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* ou
     acc[r] = _mm256_setzero_ps();
     macc[r] = 0.0f;
   }
-  KScales k;
+  KScalesAvx2 k;
   for (int64_t ib = 0; ib < nblk; ++ib) {
     const uint8_t* blk = w + ib * QT::BYTES;
     const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
     for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    QT::kscales(blk, k);
+    kscales_avx2<T>(blk, k);
     __m256i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {  // (unrolled: Q6_K's bit shifts become immediates)
-      const __m256i v = values_avx2<T>(blk, j);
-      const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;
-      const __m256i sc = T == Q6_K ? _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * j + 1]), _mm_set1_epi16(k.sc[2 * j]))
-                                   : _mm256_set1_epi16(k.sc[2 * j]);  // one scale per 32 weights
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + ib * 256 + 32 * j));
-        const __m256i p16 = _mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16, sc));
-      }
-    }
+    k_sub_avx2<T, 0, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 1, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 2, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 3, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 4, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 5, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 6, R>(blk, k.sc, xq, r0, ib, isum);
+    k_sub_avx2<T, 7, R>(blk, k.sc, xq, r0, ib, isum);
     for (int r = 0; r < R; ++r) {
       const float dx = xq.drow(r0 + r)[ib];
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
       if (!QT::SIGNED) {
-        const int32_t* xs = xq.srow(r0 + r) + ib * 8;
-        int32_t msum = 0;
-        for (int j = 0; j < 8; ++j) msum += k.m[j] * xs[j];
+        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
+        const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
         macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
       }
     }
