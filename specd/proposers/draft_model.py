@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from itertools import accumulate
 
 import torch
 
@@ -174,20 +175,19 @@ class DraftModelProposer:
         live, entries, committed = [], [], {}
         for seq, req in active:
             k = min(req.k, self.max_parallel)
-            committed[seq.seq_id] = n = len(seq)
+            committed[seq.seq_id] = len(seq)
             seq.output_token_ids.extend([self.pard_token] * (k - 1))
             if not self._room(seq):
                 del seq.output_token_ids[len(seq.output_token_ids) - (k - 1):]
                 continue
             live.append((seq, req, k))
             entries.append(ScheduledSeq(seq, len(seq) - seq.num_computed_tokens, k))
-            assert len(seq) == n + k - 1
         if not entries:
             return
         logits = self.runner.run(entries)
         for e in entries:
             e.seq.num_computed_tokens += e.num_new_tokens
-        first = [sum(k for *_, k in live[:i]) for i in range(len(live))]  # each chain's first row
+        first = [0, *accumulate(k for *_, k in live)]  # each chain's first row
         for j in range(max(k for *_, k in live)):
             # Draft j of every chain still going, masked by its grammar after drafts 1..j-1.
             chains = [(i, s, r) for i, (s, r, k) in enumerate(live) if k > j and not self.grammar.stopped(s.seq_id)]
