@@ -427,14 +427,17 @@ template <> inline __m256i values_avx2<Q5_K>(const uint8_t* b, int j) {
   const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
   return _mm256_or_si256(nibbles32(b + 48 + 32 * (j / 2), j % 2), hi);
 }
-template <> inline __m256i values_avx2<Q6_K>(const uint8_t* b, int j) {
+// Q6_K's 6-bit values before the -32 offset (0 .. 63); values_avx2<Q6_K> subtracts it.
+inline __m256i q6_unsigned_avx2(const uint8_t* b, int j) {
   const int half = j / 4, t = j % 4;
   const __m256i low = nibbles32(b + 64 * half + 32 * (t % 2), t >= 2);
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
   // bits 2t, 2t+1 of each byte, moved to bits 4, 5 (16-bit shifts, then masked per byte)
   const __m256i shifted = 2 * t >= 4 ? _mm256_srli_epi16(qh, 2 * t - 4) : _mm256_slli_epi16(qh, 4 - 2 * t);
-  const __m256i hi = _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
-  return _mm256_sub_epi8(_mm256_or_si256(low, hi), _mm256_set1_epi8(32));
+  return _mm256_or_si256(low, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+}
+template <> inline __m256i values_avx2<Q6_K>(const uint8_t* b, int j) {
+  return _mm256_sub_epi8(q6_unsigned_avx2(b, j), _mm256_set1_epi8(32));
 }
 
 // R rows of x against one weight row, in AVX2: the integer sums of 4 products per lane, then the
@@ -528,6 +531,18 @@ inline int32_t sum8_epi32(__m256i v) {
 template <int T, int J, int R>
 inline void k_sub_avx2(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
                        __m256i* isum) {
+  if constexpr (T == Q6_K) {
+    // (q - 32) x in pairs as q x - 32 x: both fit maddubs' int16 (63 * 127 * 2, 32 * 127 * 2) and the
+    // pairs equal the signed path's exactly, for one instruction less than taking signs.
+    const __m256i qu = q6_unsigned_avx2(blk, J), offset = _mm256_set1_epi8(32);
+    const __m256i s = lane_element16<J>(sc);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + ib * 256 + 32 * J));
+      const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(qu, x), _mm256_maddubs_epi16(offset, x));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16, s));
+    }
+    return;
+  }
   const __m256i v = values_avx2<T>(blk, J);
   const __m256i vu = Q<T>::SIGNED ? _mm256_sign_epi8(v, v) : v;
   const __m256i s = lane_element16<J>(sc);
