@@ -157,17 +157,7 @@ class DraftModelProposer:
                 e.seq.num_computed_tokens += e.num_new_tokens
             logits = self.grammar.mask([s.seq_id for s, _ in live], logits)
             for (seq, req), row in zip(live, logits):
-                prop = out[seq.seq_id]
-                if self._sampled(req):
-                    token, ids, probs = self._sample_sparse(len(seq), row, req)
-                    prop.q_ids.append(ids)
-                    prop.q_probs.append(probs)
-                else:
-                    token = int(row.argmax())
-                prop.token_ids.append(token)
-                if req.alternatives:
-                    record_alternatives(prop, row, token, req)
-                self.grammar.push(seq.seq_id, token)
+                token = self._take(out[seq.seq_id], seq.seq_id, row, req, len(seq))
                 seq.output_token_ids.append(token)  # fed as input of the next draft step
 
     def _draft_parallel(self, active, out) -> None:
@@ -196,17 +186,22 @@ class DraftModelProposer:
             rows = self.grammar.mask([s.seq_id for _, s, _ in chains],
                                      logits[torch.tensor([first[i] + j for i, _, _ in chains])])
             for (_, seq, req), row in zip(chains, rows):
-                prop = out[seq.seq_id]
-                if self._sampled(req):
-                    token, ids, probs = self._sample_sparse(committed[seq.seq_id] + j, row, req)
-                    prop.q_ids.append(ids)
-                    prop.q_probs.append(probs)
-                else:
-                    token = int(row.argmax())
-                prop.token_ids.append(token)
-                if req.alternatives:
-                    record_alternatives(prop, row, token, req)
-                self.grammar.push(seq.seq_id, token)
+                self._take(out[seq.seq_id], seq.seq_id, row, req, committed[seq.seq_id] + j)
+
+    def _take(self, prop: Proposal, seq_id: int, row: torch.Tensor, req: ProposeRequest, length: int) -> int:
+        """The next draft of a chain from its (grammar-masked) logits row: the argmax, or a draw
+        with its sparse q; appended to the proposal and pushed to the sequence's grammar."""
+        if self._sampled(req):
+            token, ids, probs = self._sample_sparse(length, row, req)
+            prop.q_ids.append(ids)
+            prop.q_probs.append(probs)
+        else:
+            token = int(row.argmax())
+        prop.token_ids.append(token)
+        if req.alternatives:
+            record_alternatives(prop, row, token, req)
+        self.grammar.push(seq_id, token)
+        return token
 
     def _draft_tree(self, active, out) -> None:
         # Per sequence: the committed length (the tree's base) and the nodes of the newest depth.

@@ -150,11 +150,16 @@ def _loss(head: SubsetHead, batch: list[Example], cfg: DistillConfig) -> torch.T
     return (ce * w).sum() / w.sum()
 
 
-def train(head: SubsetHead, examples: list[Example], cfg: DistillConfig, log=print) -> dict:
+def train(head: SubsetHead, examples: list, cfg, log=print, batches=None, loss=None) -> dict:
+    """AdamW (decay on matrices only), warmup then cosine to 10%, gradients clipped at 1, over
+    cfg.epochs of batches(examples, cfg, generator) with loss(head, batch) (default: this module's
+    distillation; parallel.py passes its own rows and loss). A batch is a list of items with .ids."""
+    batches = batches or _batches
+    loss = loss or (lambda h, batch: _loss(h, batch, cfg))
     drafter = head.drafter
     gen = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    steps_per_epoch = sum(1 for _ in _batches(examples, cfg, torch.Generator().manual_seed(0)))
+    steps_per_epoch = sum(1 for _ in batches(examples, cfg, torch.Generator().manual_seed(0)))
     total = steps_per_epoch * cfg.epochs
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -166,26 +171,27 @@ def train(head: SubsetHead, examples: list[Example], cfg: DistillConfig, log=pri
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, total - cfg.warmup))))
 
     drafter.train()
-    step, t0, history = 0, time.perf_counter(), []
+    step, t0, history, seen = 0, time.perf_counter(), [], 0
     for epoch in range(cfg.epochs):
         losses = []
-        for batch in _batches(examples, cfg, gen):
+        for batch in batches(examples, cfg, gen):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss = _loss(head, batch, cfg)
+            value = loss(head, batch)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            losses.append(loss.item())
+            losses.append(value.item())
+            seen += sum(len(x.ids) for x in batch)
             step += 1
             if step % 50 == 0:
-                log(f"step {step}/{total}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f} "
-                    f"({time.perf_counter() - t0:.0f} s)")
+                log(f"step {step}/{total}: loss {sum(losses[-50:]) / len(losses[-50:]):.4f}, "
+                    f"{seen / (time.perf_counter() - t0):.0f} rows/s ({time.perf_counter() - t0:.0f} s)")
         history.append(sum(losses) / len(losses))
         log(f"epoch {epoch + 1}/{cfg.epochs}: loss {history[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
     drafter.eval()
-    return {"steps": step, "epoch_losses": history, "wall_s": time.perf_counter() - t0}
+    return {"steps": step, "rows": seen, "epoch_losses": history, "wall_s": time.perf_counter() - t0}
 
 
 @torch.inference_mode()

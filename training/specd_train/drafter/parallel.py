@@ -19,14 +19,12 @@ threads and libraries gives the same weights.
 """
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specd_train.drafter import precision
+from specd_train.drafter import distill, precision
 
 FAR = 1 << 30  # the anchor of padding: no real row attends to it
 
@@ -117,41 +115,8 @@ def _loss(head, batch: list[Rows]) -> torch.Tensor:
 
 
 def train(head, data: list, cfg: ParallelConfig, log=print) -> dict:
-    drafter = head.drafter
-    gen = torch.Generator().manual_seed(cfg.seed)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    total = sum(1 for _ in _batches(data, cfg, torch.Generator().manual_seed(cfg.seed))) * cfg.epochs
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95), foreach=False)
-
-    def lr_at(step):
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup)))))
-
-    drafter.train()
-    step, t0, history, seen = 0, time.perf_counter(), [], 0
-    for epoch in range(cfg.epochs):
-        losses = []
-        for batch in _batches(data, cfg, gen):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss = _loss(head, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(loss.item())
-            seen += sum(len(r.ids) for r in batch)
-            step += 1
-            if step % 20 == 0:
-                log(f"step {step}/{total}: loss {sum(losses[-20:]) / len(losses[-20:]):.4f}, "
-                    f"{seen / (time.perf_counter() - t0):.0f} rows/s ({time.perf_counter() - t0:.0f} s)")
-        history.append(sum(losses) / len(losses))
-        log(f"epoch {epoch + 1}/{cfg.epochs}: loss {history[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
-    drafter.eval()
-    return {"steps": step, "rows": seen, "epoch_losses": history, "wall_s": time.perf_counter() - t0}
+    """distill.train's loop (AdamW, warmup, cosine) over this module's rows and loss."""
+    return distill.train(head, data, cfg, log, batches=_batches, loss=_loss)
 
 
 @torch.inference_mode()
@@ -165,7 +130,7 @@ def acceptance(head, examples: list, cfg: ParallelConfig) -> dict:
     for ids, plen in examples:
         ids = ids[: cfg.max_len]
         rows = layout(ids, plen, cfg, None)
-        tokens, positions, mask, labels, _ = attention_mask([rows])
+        tokens, positions, mask, _, _ = attention_mask([rows])
         guess = head.argmax(_hidden(head, tokens, positions, mask)[0])
         n = len(ids) - 1
         at = {(int(a), int(g)): int(t) for a, g, t in zip(rows.anchor, rows.group, guess)}
