@@ -63,18 +63,24 @@ def worker_decode(args) -> dict:
     engine = llm.engine
     loaded = rss_mb()
     prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, m)} for m in workload("chat", 8)]
-    sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm
-    b1 = []
-    for p in prompts[:3]:
+    def seconds(batch: list, tokens: int) -> float:
         t = time.perf_counter()
-        llm.generate([p], sp)
-        b1.append(args.tokens / (time.perf_counter() - t))
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - t
+
+    # Decode alone, as llama-bench's tg and llama-batched-bench's S_TG count it: the time of N tokens
+    # less that of the same request's first token (its prefill), over the N - 1 tokens after it
+    # (no prefix caching, so each run prefills again). The end-to-end rate (prefill included) too.
+    seconds(prompts[:1], 8)  # warm
+    b1, b1_e2e = [], []
+    for p in prompts[:3]:
+        first, whole = seconds([p], 1), seconds([p], args.tokens)
+        b1.append((args.tokens - 1) / (whole - first))
+        b1_e2e.append(args.tokens / whole)
     if args.b1_only:
-        return {"decode_b1": statistics.median(b1)}
-    t = time.perf_counter()
-    llm.generate(prompts, sp)
-    b8 = 8 * args.tokens / (time.perf_counter() - t)
+        return {"decode_b1": statistics.median(b1), "decode_b1_e2e": statistics.median(b1_e2e)}
+    first, whole = seconds(prompts, 1), seconds(prompts, args.tokens)
+    b8 = len(prompts) * (args.tokens - 1) / (whole - first)
     text_ids = llm.tokenizer.encode(TEXT.read_text())[:512]
     prefill = []
     for _ in range(3):
@@ -86,7 +92,8 @@ def worker_decode(args) -> dict:
     kv_mb = ModelRunner.kv_bytes_per_block(engine.model, engine.config.block_size, engine.dtype) * \
         engine.block_manager.num_total_blocks / 2**20
     return {"quantization": engine.model.quantization, "dtype": str(engine.dtype).removeprefix("torch."),
-            "exact": engine.model.exact, "load_s": load_s, "decode_b1": statistics.median(b1), "decode_b8": b8,
+            "exact": engine.model.exact, "load_s": load_s, "decode_b1": statistics.median(b1),
+            "decode_b1_e2e": statistics.median(b1_e2e), "decode_b8": b8,
             "prefill": max(prefill), "rss_before_mb": before, "rss_loaded_mb": loaded, "peak_rss_mb": peak_rss_mb(),
             "kv_mb": kv_mb}
 
@@ -290,12 +297,13 @@ def main() -> None:
         row["llama"]["decode_b8"] = llama_batched(bin_dir, f, args.threads, args.tokens)
         # Batch-1 decode again, specd and llama.cpp alternating (this machine's speed drifts by
         # 10-20% within minutes): the table reports each side's median over the rounds.
-        row["b1_rounds"] = [(row["specd"]["decode_b1"], row["llama"]["decode_b1"])]
+        row["b1_rounds"] = [(row["specd"]["decode_b1"], row["llama"]["decode_b1"], row["specd"]["decode_b1_e2e"])]
         for _ in range(args.rounds - 1):
-            row["b1_rounds"].append((run_worker("decode", args.threads, model=f, tokens=args.tokens, b1_only=1)["decode_b1"],
-                                     llama_bench(bin_dir, f, args.threads, prefill=False)["decode_b1"]))
-        row["specd"]["decode_b1"] = statistics.median(r[0] for r in row["b1_rounds"])
-        row["llama"]["decode_b1"] = statistics.median(r[1] for r in row["b1_rounds"])
+            again = run_worker("decode", args.threads, model=f, tokens=args.tokens, b1_only=1)
+            row["b1_rounds"].append((again["decode_b1"], llama_bench(bin_dir, f, args.threads, prefill=False)["decode_b1"],
+                                     again["decode_b1_e2e"]))
+        for i, (side, key) in enumerate((("specd", "decode_b1"), ("llama", "decode_b1"), ("specd", "decode_b1_e2e"))):
+            row[side][key] = statistics.median(r[i] for r in row["b1_rounds"])
         if "SmolLM2" in label:  # perplexity means something on trained weights only
             row["ppl_specd"] = run_worker("ppl", args.threads, model=f)["ppl"]
             row["ppl_llama"] = llama_ppl(bin_dir, f, args.threads, 512)
@@ -331,11 +339,15 @@ def report(r: dict) -> str:
              f"specd's kernels: the {r['isa']} build; {r['threads']} threads for every process; greedy, "
              f"{r['tokens']} tokens per request; specd's KV cache {r['kv_gb']} GB; llama.cpp {r['threads']} threads "
              "(llama-bench pp512/tg128, llama-batched-bench 8 streams of 128 prompt tokens). Batch 1: the median of "
-             f"{r.get('rounds', 1)} rounds, specd and llama.cpp alternating (per round in the .json).", "",
-             "| file | MB | specd b1 tok/s | llama.cpp b1 | ratio | specd b8 | llama.cpp b8 | specd prefill tok/s | "
+             f"{r.get('rounds', 1)} rounds, specd and llama.cpp alternating (per round in the .json). "
+             "Decode rates count the tokens after the first, as llama-bench's tg and llama-batched-bench's S_TG do: "
+             "specd's time of a request's N tokens less that of its first token alone (its prefill), over N - 1; "
+             "`incl. prefill`: specd's end-to-end rate of N tokens answering a chat prompt.", "",
+             "| file | MB | specd b1 tok/s | llama.cpp b1 | ratio | specd b1 incl. prefill | specd b8 | llama.cpp b8 | "
+             "specd prefill tok/s | "
              "llama.cpp pp512 | specd bf16 b1 (dequantized) | load s | RSS before load MB | peak RSS MB | KV MB | "
              "peak - before vs 1.5 x file + KV | PPL specd | PPL llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         s, ll, b = row["specd"], row["llama"], row["specd_bf16"]
         limit = 1.5 * row["file_mb"] + s["kv_mb"]
@@ -343,7 +355,7 @@ def report(r: dict) -> str:
         ppl = (f"{row['ppl_specd']:.3f} | {row['ppl_llama']:.3f}" if "ppl_specd" in row else "- | -")
         lines.append(
             f"| {row['file']} ({s['quantization']}) | {row['file_mb']:.0f} | {s['decode_b1']:.1f} | {ll['decode_b1']:.1f} | "
-            f"{s['decode_b1'] / ll['decode_b1']:.2f}x | {s['decode_b8']:.1f} | "
+            f"{s['decode_b1'] / ll['decode_b1']:.2f}x | {s.get('decode_b1_e2e', float('nan')):.1f} | {s['decode_b8']:.1f} | "
             f"{ll['decode_b8'] if ll['decode_b8'] is None else round(ll['decode_b8'], 1)} | {s['prefill']:.0f} | "
             f"{ll['prefill']:.0f} | {b['decode_b1']:.1f} | {s['load_s']:.1f} | {s['rss_before_mb']:.0f} | "
             f"{s['peak_rss_mb']:.0f} | {s['kv_mb']:.0f} | {used:.0f} vs {limit:.0f} ({used / limit:.2f}x) | {ppl} |")

@@ -135,12 +135,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gc.numel() / n2;
   const bf16* gp = gc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = f32(gp[r * n2 + i]);
-        yp[r * n + i] = bf16(round_bf16(g / (1.0f + vexp(-g))) * f32(gp[r * n2 + n + i]));
+  // Over elements, not rows: a decode step's one row of 8960 took 60 us on one thread.
+  at::parallel_for(0, rows * n, 2048, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1;) {
+      const int64_t r = e / n, end = std::min(e1, (r + 1) * n);
+      const bf16 *gate = gp + r * n2 - r * n, *up = gate + n;  // indexed by e
+      for (; e < end; ++e) {
+        const float g = f32(gate[e]);
+        yp[e] = bf16(round_bf16(g / (1.0f + vexp(-g))) * f32(up[e]));
       }
+    }
   });
   return y;
 }

@@ -716,30 +716,35 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   bf16* yb = float_out ? nullptr : y.data_ptr<bf16>();
   // Work items: chunks of 16 output columns; each computes its columns for all rows, segment by
-  // segment, in groups of ROWS rows over the same weight rows (in cache). The split changes only the speed.
-  constexpr int64_t CHUNK = 16;
-  at::parallel_for(0, (N + CHUNK - 1) / CHUNK, 1, [&](int64_t c0, int64_t c1) {
-    const int64_t n_begin = c0 * CHUNK, n_end = std::min(N, c1 * CHUNK);
-    std::vector<float> out(M * (n_end - n_begin));
-    const int64_t ldo = n_end - n_begin;
-    int64_t seg_first = 0;
-    for (const Segment& s : p.segments) {
-      const int64_t lo = std::max(n_begin, seg_first), hi = std::min(n_end, seg_first + s.rows);
-      if (lo < hi) {
-        const uint8_t* w = p.base + s.offset + (lo - seg_first) * s.row_bytes;
-        by_type(s.type, [&](auto t) {
-          constexpr int T = decltype(t)::value;
-          dot_block<T>(w, s.row_bytes, hi - lo, Q<T>::BLOCK == 256 ? x256 : x32, M, out.data() + (lo - n_begin), ldo);
-        });
+  // segment, in groups of ROWS rows over the same weight rows (in cache). The split changes only the
+  // speed. A thread takes its chunks SPAN at a time, so its float32 results in flight are M x 256
+  // (a 512-token prefill's gate_up held M x N / threads of them: 18 MB of peak resident size each).
+  constexpr int64_t CHUNK = 16, SPAN = 16;
+  at::parallel_for(0, (N + CHUNK - 1) / CHUNK, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> out;
+    for (int64_t c0 = first; c0 < last; c0 += SPAN) {
+      const int64_t n_begin = c0 * CHUNK, n_end = std::min(N, std::min(last, c0 + SPAN) * CHUNK);
+      const int64_t ldo = n_end - n_begin;
+      out.resize(M * ldo);
+      int64_t seg_first = 0;
+      for (const Segment& s : p.segments) {
+        const int64_t lo = std::max(n_begin, seg_first), hi = std::min(n_end, seg_first + s.rows);
+        if (lo < hi) {
+          const uint8_t* w = p.base + s.offset + (lo - seg_first) * s.row_bytes;
+          by_type(s.type, [&](auto t) {
+            constexpr int T = decltype(t)::value;
+            dot_block<T>(w, s.row_bytes, hi - lo, Q<T>::BLOCK == 256 ? x256 : x32, M, out.data() + (lo - n_begin), ldo);
+          });
+        }
+        seg_first += s.rows;
       }
-      seg_first += s.rows;
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = n_begin; n < n_end; ++n) {
+          const float v = bp ? out[r * ldo + n - n_begin] + bp[n] : out[r * ldo + n - n_begin];
+          if (yf) yf[r * N + n] = v;
+          else yb[r * N + n] = bf16(v);
+        }
     }
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = n_begin; n < n_end; ++n) {
-        const float v = bp ? out[r * ldo + n - n_begin] + bp[n] : out[r * ldo + n - n_begin];
-        if (yf) yf[r * N + n] = v;
-        else yb[r * N + n] = bf16(v);
-      }
   });
   return y;
 }

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.engine.llm_engine import LLMEngine
+from specd.engine.loader import release_freed_memory, resolve_model_dir
 from specd.proposers.factory import in_process_proposer
 from specd.sampling import SamplingParams
 from specd.models.tokenizer import Tokenizer
@@ -36,9 +37,12 @@ class LLM:
     def __init__(self, model: str, speculative_config: "str | dict | SpeculativeConfig | None" = None,
                  **engine_kwargs):
         spec = SpeculativeConfig.parse(speculative_config)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), spec,
-                                proposer_factory=in_process_proposer)
-        self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
+        config = EngineConfig(model=model, **engine_kwargs)
+        # The tokenizer before the engine, and what parsing it freed handed back, so the peak
+        # resident size does not hold that garbage on top of the weights and the KV cache.
+        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model, weights=False))
+        release_freed_memory()
+        self.engine = LLMEngine(config, spec, proposer_factory=in_process_proposer)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

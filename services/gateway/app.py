@@ -136,7 +136,8 @@ class Gateway:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model.name, "object": "model", "created": self.created, "owned_by": "specd",
             "root": self.model.path, "parent": None, "max_model_len": self.model.max_model_len,
-            "exact": self.model.exact, "dtype": self.model.dtype}]})
+            "exact": self.model.exact, "dtype": self.model.dtype,
+            "quantization": self.model.quantization or None}]})
 
     async def health(self, request: Request) -> Response:
         """200 while a verifier replica's gRPC health says SERVING for its Verifier service (that

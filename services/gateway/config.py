@@ -72,3 +72,4 @@ class ModelInfo:
     vocab_hash: str = ""  # of its tokenizer; a replica whose Info says otherwise gets no requests
     exact: bool = False  # Info.exact: greedy output does not depend on batching or speculation
     dtype: str = ""  # Info.dtype: what the weights compute in
+    quantization: str = ""  # Info.quantization: a GGUF file's types, served as they are ("" for float weights)

@@ -90,7 +90,7 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
         tokenizer = await tokenizer_from_verifier(address, config.security, info.vocab_hash)
     model = ModelInfo(name=config.served_model_name or info.model_name, path=info.model,
                       max_model_len=info.max_model_len, vocab_size=info.vocab_size, vocab_hash=info.vocab_hash,
-                      exact=info.exact, dtype=info.dtype)
+                      exact=info.exact, dtype=info.dtype, quantization=info.quantization)
     log.info("serving %s (max_model_len %d) from the verifier at %s", model.name, model.max_model_len,
              ", ".join(config.verifiers))
     # Idle keep-alive connections live 75 s (nginx's default), not uvicorn's 5: a client's pool that

@@ -169,7 +169,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         model=config.model, model_name=Path(config.model.rstrip("/")).name, max_model_len=engine.max_model_len,
         vocab_size=engine.arch.vocab_size, vocab_hash=vocab_hash_of(engine.model_dir),
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None, exact=engine.model.exact,
-        dtype=str(engine.dtype).removeprefix("torch."))
+        dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.model.quantization or "")
     metrics.exact.set(int(engine.model.exact))
     async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens))
 

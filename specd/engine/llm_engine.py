@@ -10,7 +10,7 @@ import torch
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.models.detokenizer import StopChecker
 from specd.engine.block_manager import BlockManager
-from specd.engine.loader import default_device, load_checkpoint, open_checkpoint
+from specd.engine.loader import default_device, large_buffers_off_the_heap, load_checkpoint, open_checkpoint
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
 from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
@@ -53,6 +53,8 @@ class LLMEngine:
         The engine never imports a proposer (docs/architecture.md, the import rules)."""
         self.config = config
         self.device = default_device(config.device)
+        if self.device.type == "cpu":
+            large_buffers_off_the_heap()
         ckpt = open_checkpoint(config.model, config.dtype, self.device)
         self.model_dir, self.arch, self.dtype = ckpt.dir, ckpt.arch, ckpt.dtype
         self.max_model_len = self._max_model_len(config)

@@ -133,7 +133,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device and then loaded: given a weight, nn.Embedding skips its random
+        # init, whose meta path imports torch._dynamo and with it Triton (~65 MB resident, ~1 s).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         windows = cfg.sliding_windows or [None] * cfg.num_layers
         self.layers = nn.ModuleList(DecoderLayer(cfg, windows[i]) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

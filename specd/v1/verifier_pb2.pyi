@@ -112,7 +112,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load", "exact", "dtype")
+    __slots__ = ("model", "model_name", "max_model_len", "vocab_size", "vocab_hash", "eos_token_ids", "speculation", "load", "exact", "dtype", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class InfoResponse(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
     max_model_len: int
@@ -133,7 +134,8 @@ class InfoResponse(_message.Message):
     load: Load
     exact: bool
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[bool] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., exact: _Optional[bool] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -99,6 +99,22 @@ def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(tmp_path, threads
         torch.set_num_threads(before)
 
 
+def test_wide_weights_in_mixed_parts_match_the_dequantized_weight(tmp_path):
+    # 660 columns: a thread's share runs in several spans of 256, parts crossing their edges
+    parts = [(Q.Q8_0, blocks(Q.Q8_0, 300, 256)), (Q.Q4_K, blocks(Q.Q4_K, 243, 256)), (Q.Q6_K, blocks(Q.Q6_K, 117, 256))]
+    p = packed_from(tmp_path, parts)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = x.float() @ reference(parts).T
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y = torch.ops.specd_cpu.quant_linear(x, p, None, True)
+            assert ((y - ref).abs().amax(dim=0) / ref.abs().max()).max().item() < TOLERANCE, threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_parts_of_mixed_types_equal_each_part_alone(tmp_path):
     parts = [(Q.Q8_0, blocks(Q.Q8_0, 8, 256)), (Q.Q4_1, blocks(Q.Q4_1, 5, 256)), (Q.Q5_K, blocks(Q.Q5_K, 3, 256))]
     fused = packed_from(tmp_path, parts)

@@ -36,7 +36,8 @@ def gguf_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(gguf_file):
-    """(prompt token count, greedy text) per conversation, from the offline engine on the file."""
+    """[the quantization summary, then (prompt token count, greedy text) per conversation], from the
+    offline engine on the file."""
     from specd import LLM, SamplingParams
     from specd.models.chat import chat_prompt_ids
 
@@ -45,7 +46,7 @@ def offline(gguf_file):
     llm = LLM(str(gguf_file), device="cpu")
     # Q8_0, Q4_0 and Q4_1 parts stay quantized; the part of gate_up stored F16 makes that linear bf16
     assert (llm.engine.model.quantization is not None) == cpu_ops.available()
-    out = []
+    out = [llm.engine.model.quantization]
     for messages in MESSAGES:
         ids = chat_prompt_ids(llm.tokenizer, messages)
         (o,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=12))
@@ -55,9 +56,12 @@ def offline(gguf_file):
 
 def _chat_like_offline(base_url: str, offline) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
-    model = client.models.list().data[0].id
+    (entry,) = client.models.list().data
+    model = entry.id
     assert model == "tiny.gguf"
-    for messages, (prompt_tokens, text) in zip(MESSAGES, offline):
+    # the file's types, as the offline engine summarises them (None where it was dequantized)
+    assert entry.model_extra["quantization"] == offline[0]
+    for messages, (prompt_tokens, text) in zip(MESSAGES, offline[1:]):
         r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12)
         assert r.usage.prompt_tokens == prompt_tokens  # the file's chat template, as offline
         assert r.choices[0].message.content == text
