@@ -249,6 +249,8 @@ def report(r: dict) -> str:
     m, a = r["machine"], r["args"]
     lines = ["# The default stack: `specd up` as a newcomer starts it", "",
              f"Command: `python bench/default_stack.py --threads {a['threads']}"
+             + "".join(f" --{k} {a[k]}" for k, full in (("batches", "1,8,32"), ("temperatures", "0,0.7"))
+                       if a[k] != full)
              + (" --llama-server ... --gguf ..." if a["llama_server"] else "") + "`", "",
              f"SmolLM2-135M-Instruct in {m['dtype']} (what `auto` picks here), `specd up --threads {a['threads']}` "
              f"with its defaults (drafters: the trained draft model and a suffix index; the one change: the suffix "
@@ -287,7 +289,7 @@ def report(r: dict) -> str:
             lines.append(f"| {w} | {mode} | {row['tok_s']:.1f} | {row['ttft_s']:.2f} | "
                          + (f"{ours['tok_s'] / row['tok_s']:.2f}x |" if ours else "- |"))
     lines += ["", f"Machine: {m['cpu']} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
-              f"{m['threads']} per service, torch {m['torch']}; load average {m['load_avg_start']} at start, "
+              f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
               f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
     return "\n".join(lines)
 

@@ -142,7 +142,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.rpc.grpc_server import serve
     from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
-    from specd.verifier.async_engine import Admission, AsyncEngine
+    from specd.verifier.async_engine import Admission, AsyncEngine, engine_thread
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer
     from specd.verifier.server import VerifierService
 
@@ -159,7 +159,8 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.proposers.factory import in_process_proposer
 
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
-    engine = await loop.run_in_executor(None, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None,
+    worker = engine_thread()
+    engine = await loop.run_in_executor(worker, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None,
                                                                 proposer_factory=in_process_proposer))
     if pool is not None:
         from specd.verifier.drafter_client import FeatureTarget
@@ -171,7 +172,8 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None, exact=engine.model.exact,
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.model.quantization or "")
     metrics.exact.set(int(engine.model.exact))
-    async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens))
+    async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens),
+                               worker)
 
     if pool is not None:
         pool.registry = args.registry

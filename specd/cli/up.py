@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="verifiers recompute every prompt (no KV reuse across requests)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of the verifier (default: the cores this process may use but one, at most 8)")
+                   help="torch threads of each verifier (default: its share of the cores this process may use, at most 8)")
     p.add_argument("--drafter-threads", type=int, default=1, help="torch threads per drafter (default 1)")
     p.add_argument("--pipeline", action="store_true",
                    help="pipelined drafting for the draft_model drafter (it drafts ahead while the verifier "
@@ -95,15 +95,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_threads() -> int:
-    """The verifier's threads: the cores we may run on but one, at most 8. The gateway, the
-    drafters and the verifier's own event loop wake up for every token; where they land on a core
-    the verifier computes on, its OpenMP threads wait for each other at every barrier: on a 2-core
-    AMD EPYC, plain decode over HTTP gave 58 tok/s with 1 verifier thread and 46-57 with 2 (in
-    process: 60 and 91), 2026-11-25. Drafters draft while the verifier waits for them, so they
-    share the cores instead of taking some away."""
+def default_threads(replicas: int = 1) -> int:
+    """Each verifier's threads: its share of the cores we may run on, at most 8. The gateway and
+    the drafters share them: drafters draft while the verifier waits for them. On a 2-core AMD
+    EPYC, plain chat over HTTP: 73.5 tok/s with 2 verifier threads, 50 with 1 (2026-11-26; the
+    verifier had given 2 threads 1 thread's speed until its engine ran on one thread only:
+    specd.verifier.async_engine.engine_thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores - 1))
+    return max(1, min(8, cores // replicas))
 
 
 def parse_drafter(value: str) -> tuple[str, str | None]:
@@ -226,7 +225,7 @@ def run(args) -> int:
     from specd.models import model_store
 
     drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
-    threads = args.threads or default_threads()
+    threads = args.threads or default_threads(max(1, args.replicas))
     target = args.target or model_store.default_target()
     if any(m == "draft_model" and not model for m, model in drafters):
         if args.target:
