@@ -149,7 +149,7 @@ def run(args) -> int:
 
     from specd.engine.loader import set_threads
     from specd.drafter.metrics import DrafterMetrics
-    from specd.rpc.grpc_server import install_uvloop, setup_logging
+    from specd.rpc.grpc_server import compute_thread, install_uvloop, setup_logging
     from specd.rpc.metrics_port import start_metrics
     from specd.rpc.telemetry import setup_tracing
 
@@ -164,16 +164,17 @@ def run(args) -> int:
     metrics = DrafterMetrics(name)
     # Before the model loads: a busy metrics port fails at once, not after the load.
     start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, f"drafter {name}")
-    proposer, info = build_proposer(args)
+    worker = compute_thread("proposer")  # loading and every call, one OpenMP team
+    proposer, info = worker.submit(build_proposer, args).result()
     history = args.max_history_tokens or min(65536, getattr(proposer, "max_model_len", None) or 65536)
     limits = DrafterLimits(max_k=info.max_k, max_history_tokens=history, max_sequences=args.max_sequences,
                            max_total_tokens=args.max_total_tokens)
     install_uvloop()
-    asyncio.run(_serve(args, proposer, info, metrics, limits, security))
+    asyncio.run(_serve(args, proposer, info, metrics, limits, security, worker))
     return 0
 
 
-async def _serve(args, proposer, info, metrics, limits, security) -> None:
+async def _serve(args, proposer, info, metrics, limits, security, worker) -> None:
     import asyncio
 
     from specd.rpc.auth import DRAFTER
@@ -181,7 +182,7 @@ async def _serve(args, proposer, info, metrics, limits, security) -> None:
     from specd.rpc.grpc_server import serve
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
-    service = DrafterService(proposer, info, args.ttl_seconds, metrics, limits, security.secret)
+    service = DrafterService(proposer, info, args.ttl_seconds, metrics, limits, security.secret, worker)
 
     def add(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)

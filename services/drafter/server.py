@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from specd.rpc.auth import drafter_proof
 from specd.proposers.base import ProposeRequest, feature_rows
+from specd.rpc.grpc_server import compute_thread
 from specd.rpc.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 from specd.rpc.wire import tensor_from_proto
@@ -117,7 +118,9 @@ class DrafterLimits:
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, proposer, info: drafter_pb2.DrafterInfoResponse, ttl_seconds: float = 600.0,
-                 metrics=None, limits: DrafterLimits | None = None, secret: str | None = None):
+                 metrics=None, limits: DrafterLimits | None = None, secret: str | None = None,
+                 worker: ThreadPoolExecutor | None = None):
+        """worker: the compute_thread() the proposer was built on (one is made where not given)."""
         self.proposer, self.ttl = proposer, ttl_seconds
         self.limits = limits or DrafterLimits(max_k=info.max_k or 8)
         self.info = drafter_pb2.DrafterInfoResponse()
@@ -126,7 +129,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.secret = secret
         self.keys = SequenceKeys()
         self.metrics = metrics
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proposer")
+        self.worker = worker or compute_thread("proposer")
         # Pipelined drafting: set when a batch arrives, so drafting ahead yields the worker to it.
         self.pipelined = hasattr(proposer, "predraft")
         self.batch_waiting = threading.Event()

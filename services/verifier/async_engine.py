@@ -19,6 +19,7 @@ from opentelemetry import trace
 from specd.engine.llm_engine import LLMEngine
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
+from specd.rpc.grpc_server import compute_thread
 from specd.rpc.telemetry import tracer
 
 log = logging.getLogger("specd.verifier.engine")
@@ -78,19 +79,10 @@ class _Request:
     span_context: trace.SpanContext | None = None  # its verifier.generate span, when traced
 
 
-def engine_thread() -> ThreadPoolExecutor:
-    """The one thread every engine call runs on, loading included. OpenMP keeps a team of
-    threads per thread that starts parallel work; once its threads outnumber the cores (a second
-    team: the engine loaded on one thread, stepping on another), libgomp stops spinning at its
-    barriers and sleeps at each one: on a 2-core EPYC, 2 torch threads then decoded at 1 thread's
-    speed (50 vs 90 tok/s in bf16)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, pool=None, metrics=None, admission: Admission | None = None,
                  worker: ThreadPoolExecutor | None = None):
-        """worker: the engine_thread() the engine was loaded on (one is made where not given)."""
+        """worker: the compute_thread() the engine was loaded on (one is made where not given)."""
         self.engine, self.pool, self.metrics = engine, pool, metrics
         self.admission = admission or Admission()
         self.requests: dict[str, _Request] = {}
@@ -101,7 +93,7 @@ class AsyncEngine:
         self._to_add: list[_Request] = []
         self._to_abort: list[str] = []
         self._wake = asyncio.Event()
-        self._worker = worker or engine_thread()
+        self._worker = worker or compute_thread("engine")
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

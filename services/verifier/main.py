@@ -139,10 +139,10 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
 
     from specd.rpc.auth import VERIFIER
     from specd.engine.llm_engine import LLMEngine
-    from specd.rpc.grpc_server import serve
+    from specd.rpc.grpc_server import compute_thread, serve
     from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
-    from specd.verifier.async_engine import Admission, AsyncEngine, engine_thread
+    from specd.verifier.async_engine import Admission, AsyncEngine
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer
     from specd.verifier.server import VerifierService
 
@@ -159,7 +159,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.proposers.factory import in_process_proposer
 
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.
-    worker = engine_thread()
+    worker = compute_thread("engine")  # loading and every step, one OpenMP team
     engine = await loop.run_in_executor(worker, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None,
                                                                 proposer_factory=in_process_proposer))
     if pool is not None:

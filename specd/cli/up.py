@@ -100,7 +100,7 @@ def default_threads(replicas: int = 1) -> int:
     the drafters share them: drafters draft while the verifier waits for them. On a 2-core AMD
     EPYC, plain chat over HTTP: 73.5 tok/s with 2 verifier threads, 50 with 1 (2026-11-26; the
     verifier had given 2 threads 1 thread's speed until its engine ran on one thread only:
-    specd.verifier.async_engine.engine_thread)."""
+    specd.rpc.grpc_server.compute_thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores // replicas))
 
