@@ -264,12 +264,8 @@ def large_buffers_off_the_heap() -> None:
     far (up to 32 MiB), after which such buffers come from the heap and their pages stay resident:
     30-40 MB more peak RSS over a 512-token prefill of a 1.5B-shaped model (bench/quant.py), for a
     prefill 0-5% faster. A MALLOC_MMAP_THRESHOLD_ in the environment wins."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, LARGE_BUFFER)  # glibc; other C libraries lack it
-    except (OSError, AttributeError):
-        pass
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        _glibc("mallopt", _M_MMAP_THRESHOLD, LARGE_BUFFER)
 
 
 def release_freed_memory() -> None:
@@ -277,8 +273,13 @@ def release_freed_memory() -> None:
     to the OS before the KV cache is allocated: glibc's malloc keeps freed pages for reuse, and the
     process's peak resident size would carry them (bench/quant.py's memory column: 20-40 MB)."""
     gc.collect()
+    _glibc("malloc_trim", 0)
+
+
+def _glibc(function: str, *args: int) -> None:
+    """Call one of glibc's malloc tunings; a no-op under C libraries that lack it (musl, macOS)."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc; other C libraries lack it
+        getattr(ctypes.CDLL(None), function)(*args)
     except (OSError, AttributeError):
         pass
 
