@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="off,on,prefix3,least3")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "prefix_cache"))
     args = p.parse_args(argv)
-    from specd.cli.up import default_threads
+    from specd.rpc.threads import default_threads
 
     t0, info = time.monotonic(), machine_info(default_threads())
     system = system_prompt(args.system_tokens)

@@ -2,7 +2,9 @@
 with the bf16 and GGUF-quantized matmuls (cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp).
 
 Compiled once per machine with the C++ compiler torch's extension loader finds, into
-$SPECD_CACHE/torch_extensions/<torch version>-<ISA>; later loads take a second. The ISA is the
+$SPECD_CACHE/torch_extensions/<torch version>-<ISA>, with a stamp of what it was built from
+(sources, headers, flags, torch version): a library whose stamp matches loads as it is, with no
+compiler, which is how the service images carry them (built in their cpu-ops stage). The ISA is the
 widest the CPU offers: AVX-512 (f, bw, vl), else AVX2 with FMA (some hypervisors hide AVX-512 of
 the CPUs under them); kernels/cpu_simd.h gives the ops the same per-element arithmetic on both.
 Where that fails (no compiler, no ninja, not Linux on x86-64, neither ISA) `available()` is
@@ -15,6 +17,7 @@ libsimde-dev), slower, to check that code on a machine without AVX-512.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp", "cpu_quant_matmul.cpp")]
 # ISA -> the CPU flags its -m flags let the compiler use, widest first.
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "f16c"), "avx2": ("avx2", "fma", "f16c")}  # f16c: GGUF's fp16 scales
+STAMP = "specd-build.sha256"  # build_digest() of the library beside it
 EMULATED = "avx512-emulated"  # a test build (module docstring): needs AVX2 + FMA and SIMDe's headers
 
 
@@ -57,23 +61,69 @@ def isa() -> str | None:
     return next((name for name, needs in ISAS.items() if set(needs) <= flags), None)
 
 
-def _build(name: str) -> None:
-    from torch.utils.cpp_extension import load
-
+def build_dir(name: str) -> Path:
     from specd.cache import cache_root
 
     # One build per torch and ISA: a cache shared between machines (a volume) never loads code
     # for instructions this CPU lacks.
-    build_dir = cache_root() / "torch_extensions" / f"torch{torch.__version__}-{name}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    return cache_root() / "torch_extensions" / f"torch{torch.__version__}-{name}"
+
+
+def _library_name(name: str) -> str:
+    return f"specd_cpu_bf16_ops_{name.replace('-', '_')}"
+
+
+def _cflags(name: str) -> list[str]:
     isa_flags = [f"-m{flag}" for flag in ISAS.get(name, ISAS["avx2"])]
     if name == EMULATED:
         isa_flags.append("-DSPECD_EMULATE_AVX512")
         if simde_include() != Path("/usr/include"):  # (naming a default one breaks libstdc++'s include_next)
             isa_flags.append(f"-isystem{simde_include()}")
-    load(name=f"specd_cpu_bf16_ops_{name.replace('-', '_')}", sources=[str(s) for s in SOURCES],
-         build_directory=str(build_dir), extra_cflags=["-O3", "-fopenmp"] + isa_flags, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
+    return ["-O3", "-fopenmp"] + isa_flags
+
+
+def build_digest(name: str) -> str:
+    """What a build depends on: every source and header, the flags and torch's version."""
+    h = hashlib.sha256(f"{torch.__version__} {_cflags(name)}".encode())
+    for path in sorted(Path(__file__).parent.glob("cpu_*.[ch]*")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def build(name: str, directory: Path | None = None, load: bool = True) -> Path:
+    """Compile the ops for ISA `name` into directory (default: build_dir(name)) and, with load,
+    load them. load=False builds without loading, e.g. the AVX-512 library on an image builder
+    whose CPU may lack AVX-512 (deploy/docker/build-cpu-ops.py). Returns the library's path."""
+    from torch.utils import cpp_extension
+
+    directory = directory or build_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob("*.so")):  # torch's loader says nothing while it compiles
+        log.warning("building the fused CPU ops for %s (once per machine and torch version, about a minute) "
+                    "into %s", name, directory)
+    load_library = torch.ops.load_library
+    if not load:
+        torch.ops.load_library = lambda path: None
+    try:
+        cpp_extension.load(name=_library_name(name), sources=[str(s) for s in SOURCES],
+                           build_directory=str(directory), extra_cflags=_cflags(name), extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    finally:
+        torch.ops.load_library = load_library
+    library = directory / f"{_library_name(name)}.so"
+    (directory / STAMP).write_text(build_digest(name) + "\n")
+    return library
+
+
+def _load(name: str) -> None:
+    """Load the ops for `name`: a library built earlier for the same sources, flags and torch
+    (its stamp says so) loads as it is, with no compiler (the images carry none); else build."""
+    directory = build_dir(name)
+    library, stamp = directory / f"{_library_name(name)}.so", directory / STAMP
+    if library.is_file() and stamp.is_file() and stamp.read_text().strip() == build_digest(name):
+        torch.ops.load_library(str(library))
+        return
+    build(name, directory)
 
 
 def cpu_supported() -> bool:
@@ -92,7 +142,7 @@ def available() -> bool:
                                           os.environ.get("SPECD_CPU_ISA") else "") + ")")
     else:
         try:
-            _build(isa())
+            _load(isa())
         except Exception as e:  # a missing compiler or ninja surfaces as various errors
             why = f"building {SOURCES[0].name} failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
     if why:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from specd.rpc.threads import threads_arg
+
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
 HELP = "run a drafter service (gRPC) hosting one proposer"
 DEFAULT_PORT = 50061
@@ -52,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model or head dtype (default auto: bfloat16 on an x86-64 CPU where the "
                         "fused ops build, else float32)")
     auth.add_arguments(p, server=True, client=False)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help="torch CPU threads for this process: a number, or auto (every core it may run on, "
+                        "at most 8; default: torch's own choice)")
     p.add_argument("--log-level", default="info")
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from specd.rpc.threads import threads_arg
+
 HELP = "run the verifier service (gRPC): target model, KV cache, batching, drafter pool"
 DEFAULT_PORT = 50051
 
@@ -62,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="let a token's logits depend on the rest of the step (faster on some machines; in bf16, "
                         "greedy output with speculation may then differ from plain decoding)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help="torch CPU threads for this process: a number, or auto (every core it may run on, "
+                        "at most 8; default: torch's own choice)")
     p.add_argument("--log-level", default="info")
     auth.add_arguments(p, server=True, client=True)  # --tls-ca: verify drafters' certificates
 

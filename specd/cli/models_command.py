@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "fetch the default target and its drafter into the cache, or print where they are"
+HELP = "fetch the default target and its drafter into the cache (and build the CPU ops), or print where they are"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,11 @@ def run(args) -> int:
     if args.models_command == "fetch":
         target, drafter = model_store.fetch(log=lambda m: print(m, file=sys.stderr), force=args.force)
         print(f"target:  {target}\ndrafter: {drafter}")
+        # Build the fused CPU ops now, so the first `specd up` does not spend its start-up compiling.
+        from specd.kernels import cpu_ops
+
+        if cpu_ops.cpu_supported() and cpu_ops.available():
+            print(f"fused CPU ops: built for {cpu_ops.isa()}")
         return 0
     if not model_store.is_fetched():
         raise FileNotFoundError("the default pair is not fetched yet; run `specd models fetch`")

@@ -95,16 +95,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_threads(replicas: int = 1) -> int:
-    """Each verifier's threads: its share of the cores we may run on, at most 8. The gateway and
-    the drafters share them: drafters draft while the verifier waits for them. On a 2-core AMD
-    EPYC, plain chat over HTTP: 73.5 tok/s with 2 verifier threads, 50 with 1 (2026-11-26; the
-    verifier had given 2 threads 1 thread's speed until its engine ran on one thread only:
-    specd.rpc.grpc_server.compute_thread)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // replicas))
-
-
 def parse_drafter(value: str) -> tuple[str, str | None]:
     """METHOD[:MODEL] for draft_model, METHOD[:JSON options] for ngram and suffix -> (method, model or options)."""
     method, _, rest = value.partition(":")
@@ -223,6 +213,7 @@ def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threa
 
 def run(args) -> int:
     from specd.models import model_store
+    from specd.rpc.threads import default_threads
 
     drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
     threads = args.threads or default_threads(max(1, args.replicas))
