@@ -165,8 +165,10 @@ class _chunks:
                     wait = job.silence_s if received or not back else min(job.silence_s or job.retry_s,
                                                                           job.retry_s)
                     try:
-                        chunk = await asyncio.wait_for(call.read(), wait)
-                    except asyncio.TimeoutError:
+                        # (a timer per chunk, where wait_for would also make a task per chunk)
+                        async with asyncio.timeout(wait):
+                            chunk = await call.read()
+                    except TimeoutError:
                         if back and not received:
                             raise APIError(503, f"verifier: UNAVAILABLE: lost, and not back within {wait:g} s; "
                                                 "retry later", code="verifier_unavailable") from None

@@ -161,34 +161,45 @@ def server_credentials(security: Security) -> grpc.ServerCredentials | None:
 
 # ---- client side ---------------------------------------------------------------------------
 
-class _AioToken:
-    def __init__(self, tok: str):
-        self.tok = tok
+class _WithToken:
+    """A multicallable that adds the token to each call's metadata."""
 
-    def _details(self, d):
-        metadata = grpc.aio.Metadata(*(d.metadata or ()), ("authorization", f"Bearer {self.tok}"))
-        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+    def __init__(self, multicallable, pair: tuple[str, str]):
+        self._multicallable, self._pair = multicallable, pair
 
-
-# grpc.aio files each interceptor under the first call kind it is an instance of: one class per kind.
-class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+    def __call__(self, *args, metadata=None, **kwargs):
+        return self._multicallable(*args, metadata=(*(metadata or ()), self._pair), **kwargs)
 
 
-class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+class _TokenChannel:
+    """A grpc.aio channel whose calls carry `authorization: Bearer <token>`. Added per call
+    rather than by a client interceptor: grpc.aio routes every message of an intercepted stream
+    through one more task, a cost paid per streamed token."""
 
+    def __init__(self, channel: grpc.aio.Channel, tok: str):
+        self._channel, self._pair = channel, ("authorization", f"Bearer {tok}")
 
-class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
+    def unary_unary(self, *args, **kwargs):
+        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._pair)
 
+    def unary_stream(self, *args, **kwargs):
+        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._pair)
 
-class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
+    def stream_unary(self, *args, **kwargs):
+        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._pair)
+
+    def stream_stream(self, *args, **kwargs):
+        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._pair)
+
+    def __getattr__(self, name):  # close, channel_ready, get_state, ...
+        return getattr(self._channel, name)
+
+    async def __aenter__(self):
+        await self._channel.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self._channel.__aexit__(*exc)
 
 
 class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -235,13 +246,11 @@ def aio_channel(address: str, security: Security | None, audience: str, options=
     """A grpc.aio channel to a service of `audience`, with TLS and the token as configured."""
     security = security or Security()
     options = _tls_options(security, options)
-    tok = security.token(audience)
-    interceptors = [kind(tok) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)] \
-        if tok else None
     creds = _channel_credentials(security)
-    if creds is not None:
-        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    channel = (grpc.aio.secure_channel(address, creds, options=options) if creds is not None
+               else grpc.aio.insecure_channel(address, options=options))
+    tok = security.token(audience)
+    return _TokenChannel(channel, tok) if tok else channel
 
 
 def sync_channel(address: str, security: Security | None, audience: str, options=None) -> grpc.Channel:
