@@ -28,7 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_bf16_matmul.cpp", "cpu_quant_matmul.cpp")]
 # ISA -> the CPU flags its -m flags let the compiler use, widest first.
-ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "f16c"), "avx2": ("avx2", "fma", "f16c")}  # f16c: GGUF's fp16 scales
+# fma: -mavx512f does not imply it for GCC, and the quantized kernel's AVX2 code (which the
+# AVX-512 build runs) uses it; f16c: GGUF's fp16 scales.
+ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
 STAMP = "specd-build.sha256"  # build_digest() of the library beside it
 EMULATED = "avx512-emulated"  # a test build (module docstring): needs AVX2 + FMA and SIMDe's headers
 
