@@ -42,7 +42,7 @@ def report(msg: str) -> None:
 OFFLINE_REFERENCE = """
 import json, sys
 import torch
-torch.set_num_threads(1)  # as the verifier containers (--threads 1)
+torch.set_num_threads(1)  # (bf16 on the fused CPU ops gives the same tokens at any thread count)
 from specd import LLM, SamplingParams
 from specd.models.chat import chat_prompt_ids
 from specd.models.model_store import fetch
@@ -55,10 +55,8 @@ print(json.dumps([o.text for o in outs]))
 
 
 def offline_reference(prompts: list, client) -> list[str]:
-    """Greedy texts from the offline engine on the host (same weights, dtype, threads as the
-    stack, whose dtype /v1/models reports: the images have no compiler for the fused bf16 ops,
-    so their `auto` is float32 where the host's is bfloat16): a str is a completion prompt, a
-    list of messages a chat."""
+    """Greedy texts from the offline engine on the host (same weights and dtype as the stack,
+    whose dtype /v1/models reports): a str is a completion prompt, a list of messages a chat."""
     dtype = client.models.list().data[0].model_extra["dtype"]
     out = subprocess.run([sys.executable, "-c", OFFLINE_REFERENCE, json.dumps(prompts), str(MAX_TOKENS), dtype],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -80,7 +80,8 @@ def test_compose_file_shape():
         "${SPECD_DRAFTER_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct-drafter}"
     for name in ("verifier", "drafter-dm", "drafter-ngram"):
         cmd = services[name]["command"]
-        assert cmd[cmd.index("--threads") + 1] == "${SPECD_THREADS:-1}", name
+        threads = "${SPECD_VERIFIER_THREADS:-auto}" if name == "verifier" else "${SPECD_THREADS:-1}"
+        assert cmd[cmd.index("--threads") + 1] == threads, name
     # Only the Docker Hub images' profiles pull; everything else is built here.
     for name, svc in services.items():
         pulled = "build" not in svc
@@ -136,6 +137,11 @@ def test_dockerfiles_share_stages_and_need_no_second_index():
         final = text[text.rindex("\nFROM ${BASE_IMAGE}\n"):]
         # the serving stage: no build tools, no wheels/, the venv and a wheel of specd only
         assert "wheels/" not in final and "apt-get" not in final and "pip install --no-deps --no-index" in final, name
+    # the model services carry the CPU ops compiled in the cpu-ops stage, in a venv without headers
+    for name in ("verifier", "drafter"):
+        final = texts[name][texts[name].rindex("\nFROM ${BASE_IMAGE}\n"):]
+        assert "COPY --from=cpu-ops --chown=65534:65534 /opt/stage/cache /opt/specd/cache" in final, name
+        assert "COPY --from=venv /opt/venv /opt/venv" in final, name
     # the gateway's own venv has no torch; its final stage takes that venv, not deps'
     assert "--without torch" in texts["gateway"] and "COPY --from=gateway-deps /opt/venv" in texts["gateway"]
     ignored = (ROOT / ".gitignore").read_text()
@@ -388,6 +394,17 @@ def test_streamed_chat_completion(stack):
     text = "".join(parts)
     report(f"chat completion: {len(parts)} chunks in {time.monotonic() - t0:.2f} s, finish {finish}: {text[:60]!r}")
     assert text.strip() and finish in ("stop", "length")
+
+
+@pytest.mark.docker
+def test_serves_bfloat16_on_the_prebuilt_cpu_ops(stack):
+    """The images carry the fused CPU ops compiled at build time (no compiler in them), so the
+    verifier's `auto` is bfloat16 on an AVX2 or AVX-512 CPU, as `specd up`'s on the host."""
+    from specd.kernels import cpu_ops
+
+    if not cpu_ops.cpu_supported():
+        pytest.skip("this CPU runs neither build of the fused ops")
+    assert openai_client(stack).models.list().data[0].model_extra["dtype"] == "bfloat16"
 
 
 @pytest.mark.docker
