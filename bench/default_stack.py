@@ -5,18 +5,21 @@
         --gguf ~/.cache/specd-bench/models/smollm2-135m-instruct-bf16.gguf
 
 What runs, in this order, on one machine:
-1. in-process plain decode (specd.LLM, the dtype `auto` picks, the same threads), batch 1 and the
-   same prompts: what the service split is measured against;
-2. `specd up --threads T` with nothing else set (the stack `make up` starts), and per workload
+1. `specd up --threads T` with nothing else set (the stack `make up` starts), and per workload
    (chat questions, code edits that repeat the prompt, summaries of a given text), temperature
    and batch (B concurrent streams): plain (k = 0 in the request), the server's own choice (no
    `speculative` field) and plain again, interleaved; the server's ratio is its tok/s over the
    mean of the two plain runs around it. Greedy rows also check that the server's choice gave
    plain's text for every request;
-3. with --llama-server: llama.cpp's server on a GGUF of the same weights, the same client and
-   prompts, plain and with its n-gram speculation (--spec-type ngram-mod), then stopped.
+2. after each workload's cells, --rounds rounds at batch 1, greedy, each running in turn:
+   in-process plain decode (specd.LLM in a process of its own, loaded once, the dtype `auto`
+   picks, the same threads: what the service split is measured against), specd plain and
+   specd's choice, specd plain read by a minimal SSE reader instead of the official client,
+   and with --llama-server llama.cpp's server on a GGUF of the same weights, plain and with
+   its n-gram speculation (--spec-type ngram-mod), both loaded beside the stack for the whole
+   run; ratios are taken within a round.
 
-Every cell (and every llama-server cell) first sends its prompts once for one token, untimed, so
+Every cell (and llama-server before its rounds) first sends its prompts once for one token, untimed, so
 each timed run finds them in the prefix cache. tok/s of a cell = completion tokens of all its
 streams / wall time of the cell; TTFT = the median
 time to the first streamed text. Results: bench/results/default_stack.{md,json,png}.
@@ -73,7 +76,12 @@ def run_cell(client, model: str, prompts: list[list[dict]], batch: int, max_toke
             "spec": [r[3] for r in results]}
 
 
-def in_process_plain(prompts: list[list[dict]], threads: int, max_tokens: int) -> dict:
+def in_process_worker(conn, threads: int, max_tokens: int, prompts: dict[str, list[list[dict]]]) -> None:
+    """A child process holding specd.LLM (the dtype `auto` picks, `threads` torch threads, one
+    thread for every call as the verifier): per workload asked for over conn, its batch-1 prompts
+    one after another -> tok/s. Kept loaded for the whole run, so in-process plain decode is
+    measured right around the HTTP cells it is compared with (this machine's speed drifts
+    10-20% within minutes)."""
     import torch
 
     from specd import LLM, SamplingParams
@@ -82,15 +90,61 @@ def in_process_plain(prompts: list[list[dict]], threads: int, max_tokens: int) -
 
     torch.set_num_threads(threads)
     llm = LLM(default_target())
-    # Every prompt once first, so its KV is in the prefix cache as in the HTTP runs (warm_up).
-    llm.generate([chat_prompt_ids(llm.tokenizer, m) for m in prompts], SamplingParams(temperature=0, max_tokens=1))
-    tokens, seconds = 0, 0.0
-    for m in prompts:
-        t0 = time.perf_counter()
-        (out,) = llm.generate([chat_prompt_ids(llm.tokenizer, m)], SamplingParams(temperature=0, max_tokens=max_tokens))
-        seconds += time.perf_counter() - t0
-        tokens += len(out.token_ids)
-    return {"tok_s": tokens / seconds, "tokens": tokens, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+    ids = {w: [chat_prompt_ids(llm.tokenizer, m) for m in ms] for w, ms in prompts.items()}
+    for w in ids:  # every prompt once first, so its KV is in the prefix cache as in the HTTP runs (warm_up)
+        llm.generate(ids[w], SamplingParams(temperature=0, max_tokens=1))
+    conn.send(str(llm.engine.dtype).removeprefix("torch."))
+    while (w := conn.recv()) is not None:
+        tokens, seconds = 0, 0.0
+        for p in ids[w]:
+            t0 = time.perf_counter()
+            (out,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens))
+            seconds += time.perf_counter() - t0
+            tokens += len(out.token_ids)
+        conn.send(tokens / seconds)
+
+
+class InProcess:
+    def __init__(self, threads: int, max_tokens: int, prompts: dict[str, list[list[dict]]]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=in_process_worker, args=(child, threads, max_tokens, prompts), daemon=True)
+        self.proc.start()
+        self.dtype = self.conn.recv()
+
+    def tok_s(self, workload: str) -> float:
+        self.conn.send(workload)
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+def raw_sse_cell(url: str, model: str, prompts: list[list[dict]], max_tokens: int) -> dict:
+    """Plain over HTTP read by a minimal SSE reader (http.client, lines, the usage chunk parsed)
+    instead of the official client: the client runs on the same cores as the stack, and the
+    official one's parsing of every chunk takes CPU the verifier then lacks."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    tokens, t0 = 0, time.perf_counter()
+    for messages in prompts:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "speculative": {"num_speculative_tokens": 0}}),
+            {"content-type": "application/json"})
+        response, last = conn.getresponse(), b""
+        while line := response.readline():
+            if line.startswith(b"data: {"):
+                last = line
+        tokens += json.loads(last[6:])["usage"]["completion_tokens"]
+        conn.close()
+    return {"tok_s": tokens / (time.perf_counter() - t0), "tokens": tokens}
 
 
 class Server:
@@ -153,6 +207,29 @@ def interleaved(client, model: str, prompts, batch: int, args, temperature: floa
     return out
 
 
+def comparison_rounds(w: str, prompts, args, in_process: InProcess, client, model: str, url: str, llama: dict) -> list:
+    """Batch 1, greedy, the workload's prompts: args.rounds rounds, each running in turn in-process
+    plain decode, specd plain and specd's own choice (official client), specd plain read by a
+    minimal SSE reader, and llama-server plain and n-gram: every ratio is taken within a round,
+    the runs it compares minutes apart at most (this machine's speed drifts 10-20% within minutes)."""
+    plain = {"speculative": {"num_speculative_tokens": 0}}
+    for server in llama.values():
+        warm_up(server.client, "model", prompts)  # llama-server caches prompts too
+    rounds = []
+    for i in range(args.rounds):
+        row = {"in_process": in_process.tok_s(w),
+               "specd_plain": run_cell(client, model, prompts, 1, args.max_tokens, 0.0, plain)["tok_s"],
+               "specd_choice": run_cell(client, model, prompts, 1, args.max_tokens, 0.0, None)["tok_s"],
+               "specd_plain_raw_sse": raw_sse_cell(url, model, prompts, args.max_tokens)["tok_s"]}
+        for mode, server in llama.items():
+            if mode == "ngram" and i > 0:
+                continue  # its n-gram state keeps the answers of the round before: the same prompts would draft them
+            row[f"llama_server_{mode}"] = run_cell(server.client, "model", prompts, 1, args.max_tokens, 0.0, None)["tok_s"]
+        rounds.append(row)
+        print(f"{w} round: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    return rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None,
@@ -165,11 +242,13 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (bench/build_llamacpp.sh)")
     ap.add_argument("--gguf", default=None, help="the GGUF of the same weights llama-server serves")
     ap.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-server's -t (default: every core)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the batch-1 greedy comparisons (in-process, "
+                    "raw SSE reader, llama-server) per workload")
     ap.add_argument("--out", default="bench/results/default_stack")
     args = ap.parse_args()
     from openai import OpenAI
 
-    from specd.cli.up import default_threads
+    from specd.rpc.threads import default_threads
 
     args.threads = args.threads or default_threads()
 
@@ -186,11 +265,20 @@ def main() -> None:
         n = args.prompts if batch == 1 else batch
         return [prompts[w][i % len(prompts[w])] for i in range(n)]
 
-    result = {"machine": info, "args": vars(args), "in_process": {}, "specd": {}, "llama_server": {}}
-    for w in workloads:
-        result["in_process"][w] = in_process_plain(cell_prompts(w, 1), args.threads, args.max_tokens)
-        print(f"in-process plain {w}: {result['in_process'][w]['tok_s']:.1f} tok/s", flush=True)
-    info["dtype"] = result["in_process"][workloads[0]]["dtype"]
+    result = {"machine": info, "args": vars(args), "specd": {}, "rounds": {}}
+    in_process = InProcess(args.threads, args.max_tokens, {w: cell_prompts(w, 1) for w in workloads})
+    info["dtype"] = in_process.dtype
+    # llama-server, plain and with its n-gram speculation, loaded beside the stack for the whole
+    # run (idle between its cells), so it is measured in the same rounds as specd.
+    llama = {}
+    if args.llama_server:
+        for mode, flags in (("plain", []), ("ngram", ["--spec-type", "ngram-mod"])):
+            lport = free_port()
+            llama[mode] = Server([args.llama_server, "-m", args.gguf, "--port", str(lport), "-t", str(args.llama_threads),
+                                  "-tb", str(args.llama_threads), "-c", "4096", "--jinja", *flags],
+                                 f"http://127.0.0.1:{lport}/health")
+            llama[mode].client = OpenAI(base_url=f"http://127.0.0.1:{lport}/v1", api_key="unused", max_retries=0,
+                                        timeout=600)
 
     port = free_port()
     # The one departure from the defaults: the suffix index keeps no answers of finished requests,
@@ -214,26 +302,13 @@ def main() -> None:
                           f"{d['tok_s']:.1f} ({d['ratio']:.2f}x, acceptance {d['acceptance']:.2f}, {d['drafters']}"
                           + (f", identical {d['identical']}/{len(cell_prompts(w, batch))}" if "identical" in d else "")
                           + ")", flush=True)
+            result["rounds"][w] = comparison_rounds(w, cell_prompts(w, 1), args, in_process, client, model,
+                                                    f"http://127.0.0.1:{port}", llama)
     finally:
         up.stop()
-
-    if args.llama_server:
-        for mode, flags in (("plain", []), ("ngram", ["--spec-type", "ngram-mod"])):
-            port = free_port()
-            server = Server([args.llama_server, "-m", args.gguf, "--port", str(port), "-t", str(args.llama_threads),
-                             "-tb", str(args.llama_threads), "-c", "4096", "--jinja", *flags],
-                            f"http://127.0.0.1:{port}/health")
-            try:
-                client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-                for w in workloads:
-                    for batch in [1]:
-                        key = f"{w} T=0 batch={batch} {mode}"
-                        warm_up(client, "model", cell_prompts(w, batch))  # llama-server caches prompts too
-                        run = run_cell(client, "model", cell_prompts(w, batch), batch, args.max_tokens, 0.0, None)
-                        result["llama_server"][key] = {k: run[k] for k in ("tok_s", "tokens", "wall_s", "ttft_s")}
-                        print(f"llama-server {key}: {run['tok_s']:.1f} tok/s", flush=True)
-            finally:
-                server.stop()
+        in_process.stop()
+        for server in llama.values():
+            server.stop()
 
     info["minutes"] = round((time.time() - t_start) / 60, 1)
     info["load_avg_end"] = round(os.getloadavg()[0], 2)
@@ -272,22 +347,28 @@ def report(r: dict) -> str:
                      f"{p['ttft_s']:.2f} / {d['ttft_s']:.2f} | {d['acceptance']:.2f} | "
                      f"{', '.join(f'{k} {v}' for k, v in d['drafters'].items()) or '-'} | "
                      f"{str(d['identical']) + '/' + str(n) if 'identical' in d else '-'} |")
-    lines += ["", "In-process plain decode (specd.LLM, same dtype and threads, batch 1, same prompts) against "
-              "plain over HTTP at batch 1, greedy:", "", "| workload | in-process tok/s | HTTP plain tok/s | HTTP / in-process |",
-              "|---|---:|---:|---:|"]
-    for w, ip in r["in_process"].items():
-        http = r["specd"].get(f"{w} T=0 batch=1", {}).get("plain")
-        if http:
-            lines.append(f"| {w} | {ip['tok_s']:.1f} | {http['tok_s']:.1f} | {http['tok_s'] / ip['tok_s']:.2f}x |")
-    if r["llama_server"]:
-        lines += ["", "llama.cpp's `llama-server` on a GGUF of the same weights, same client and prompts, "
-                  f"`-t {a['llama_threads']}`, greedy, batch 1 (ngram: `--spec-type ngram-mod`):", "",
-                  "| workload | mode | tok/s | TTFT (s) | specd server's choice / this |", "|---|---|---:|---:|---:|"]
-        for key, row in r["llama_server"].items():
-            w, _, _, mode = key.split(" ")
-            ours = r["specd"].get(f"{w} T=0 batch=1", {}).get("default")
-            lines.append(f"| {w} | {mode} | {row['tok_s']:.1f} | {row['ttft_s']:.2f} | "
-                         + (f"{ours['tok_s'] / row['tok_s']:.2f}x |" if ours else "- |"))
+    lines += ["", f"Batch 1, greedy, the same prompts, in {a['rounds']} rounds per workload after its cells; each round "
+              "runs in turn: in-process plain decode (specd.LLM in a process of its own, loaded once, same dtype and "
+              "threads), specd plain and specd's own choice over HTTP (the official client), specd plain read by a "
+              "minimal SSE reader (http.client: the client shares the stack's 2 cores, and the official client's "
+              "parsing of each chunk is CPU the verifier lacks), and llama.cpp's `llama-server` on a GGUF of the same "
+              f"weights (`-t {a['llama_threads']}`, plain and `--spec-type ngram-mod`; both loaded beside the stack "
+              "for the whole run; n-gram in the first round only: its n-gram state keeps the answers of earlier "
+              "rounds to the same prompts). HTTP / in-process ratios are taken within a round, then averaged; tok/s "
+              "are the rounds' means, and specd's choice / llama-server's best is over those means:", "",
+              "| workload | in-process | specd plain | HTTP / in-process | raw SSE reader / in-process | specd's choice "
+              "| llama-server plain | llama-server ngram | specd's choice / llama-server's best |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for w, rounds in r.get("rounds", {}).items():
+        mean = {k: statistics.mean(x[k] for x in rounds if k in x) for k in rounds[0]}
+        ratio = {k: statistics.mean(x[k] / x["in_process"] for x in rounds) for k in ("specd_plain", "specd_plain_raw_sse")}
+        has_llama = "llama_server_plain" in mean
+        best = max(mean["llama_server_plain"], mean["llama_server_ngram"]) if has_llama else None
+        vs_llama = mean["specd_choice"] / best if has_llama else None
+        lines.append(f"| {w} | {mean['in_process']:.1f} | {mean['specd_plain']:.1f} | {ratio['specd_plain']:.2f}x | "
+                     f"{ratio['specd_plain_raw_sse']:.2f}x | {mean['specd_choice']:.1f} | "
+                     + (f"{mean['llama_server_plain']:.1f} | {mean['llama_server_ngram']:.1f} | {vs_llama:.2f}x |"
+                        if has_llama else "- | - | - |"))
     lines += ["", f"Machine: {m['cpu']} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
               f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
               f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
