@@ -95,7 +95,7 @@ def build_digest(name: str) -> str:
 def build(name: str, directory: Path | None = None, load: bool = True) -> Path:
     """Compile the ops for ISA `name` into directory (default: build_dir(name)) and, with load,
     load them. load=False builds without loading, e.g. the AVX-512 library on an image builder
-    whose CPU may lack AVX-512 (deploy/docker/build-cpu-ops.py). Returns the library's path."""
+    whose CPU may lack AVX-512 (the Dockerfiles' cpu-ops stage). Returns the library's path."""
     from torch.utils import cpp_extension
 
     directory = directory or build_dir(name)
@@ -103,6 +103,8 @@ def build(name: str, directory: Path | None = None, load: bool = True) -> Path:
     if not any(directory.glob("*.so")):  # torch's loader says nothing while it compiles
         log.warning("building the fused CPU ops for %s (once per machine and torch version, about a minute) "
                     "into %s", name, directory)
+    # torch's loader loads whatever it builds; a library for instructions this CPU lacks may fault
+    # as its initialisers run, so without load its load_library is a no-op for the call.
     load_library = torch.ops.load_library
     if not load:
         torch.ops.load_library = lambda path: None
