@@ -8,8 +8,8 @@ What runs, in this order, on one machine:
 1. `specd up --threads T` with nothing else set (the stack `make up` starts), and per workload
    (chat questions, code edits that repeat the prompt, summaries of a given text), temperature
    and batch (B concurrent streams): plain (k = 0 in the request), the server's own choice (no
-   `speculative` field) and plain again, interleaved; the server's ratio is its tok/s over the
-   mean of the two plain runs around it. Greedy rows also check that the server's choice gave
+   `speculative` field) and plain again, --repeats times, interleaved; the server's ratio is its
+   mean tok/s over the mean of the plain runs. Greedy rows also check that the server's choice gave
    plain's text for every request;
 2. after each workload's cells, --rounds rounds at batch 1, greedy, each running in turn:
    in-process plain decode (specd.LLM in a process of its own, loaded once, the dtype `auto`
@@ -179,32 +179,41 @@ def warm_up(client, model: str, prompts) -> None:
 
 
 def interleaved(client, model: str, prompts, batch: int, args, temperature: float, modes: dict) -> dict:
-    """plain, then each other mode followed by plain again; a mode's ratio is over the plain runs around it."""
+    """plain, then args.repeats times each other mode followed by plain again; a mode's ratio is
+    its mean tok/s over the mean of every plain run (one plain run on each side of each of its runs:
+    this machine's speed drifts 10-20% between runs a minute apart, so one run each side could
+    not tell 0.97x from 1.0x)."""
     warm_up(client, model, prompts)
-    cells = {"plain": [run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"])]}
-    for name, extra in modes.items():
-        if name == "plain":
-            continue
-        cells[name] = [run_cell(client, model, prompts, batch, args.max_tokens, temperature, extra)]
-        cells["plain"].append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"]))
-    out = {}
-    for i, (name, runs) in enumerate(cells.items()):
-        run = runs[0]
-        row = {k: run[k] for k in ("tok_s", "tokens", "wall_s", "ttft_s")}
-        if name != "plain":
-            around = cells["plain"][i - 1:i + 1]
-            row["ratio"] = run["tok_s"] / statistics.mean(r["tok_s"] for r in around)
-            if temperature == 0:
-                row["identical"] = sum(a == b for a, b in zip(run["texts"], around[0]["texts"]))
-            specs = [s for s in run["spec"] if s]
-            row["acceptance"] = (sum(s["accepted_tokens"] for s in specs) / max(1, sum(s["draft_tokens"] for s in specs)))
-            drafters: dict[str, int] = {}
-            for s in specs:
-                for d, n in s.get("drafters", {}).items():
-                    drafters[d] = drafters.get(d, 0) + n
-            row["drafters"] = drafters
+    plain = [run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"])]
+    cells: dict[str, list] = {name: [] for name in modes if name != "plain"}
+    for _ in range(args.repeats):
+        for name in cells:
+            cells[name].append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes[name]))
+            plain.append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"]))
+    out = {"plain": _row(plain)}
+    for name, runs in cells.items():
+        row = _row(runs)
+        row["ratio"] = row["tok_s"] / out["plain"]["tok_s"]
+        row["ratio_runs"] = [r["tok_s"] / statistics.mean((plain[i]["tok_s"], plain[i + 1]["tok_s"]))
+                             for i, r in enumerate(runs)]
+        if temperature == 0:  # every run's texts against the plain run before it
+            row["identical"] = min(sum(a == b for a, b in zip(r["texts"], plain[i]["texts"])) for i, r in enumerate(runs))
+        specs = [s for r in runs for s in r["spec"] if s]
+        row["acceptance"] = (sum(s["accepted_tokens"] for s in specs) / max(1, sum(s["draft_tokens"] for s in specs)))
+        drafters: dict[str, int] = {}
+        for s in specs:
+            for d, n in s.get("drafters", {}).items():
+                drafters[d] = drafters.get(d, 0) + n
+        row["drafters"] = drafters
         out[name] = row
     return out
+
+
+def _row(runs: list[dict]) -> dict:
+    """Runs of one mode -> their mean tok/s and TTFT, with each run's tok/s."""
+    return {"tok_s": statistics.mean(r["tok_s"] for r in runs), "runs_tok_s": [r["tok_s"] for r in runs],
+            "tokens": sum(r["tokens"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs)}
 
 
 def comparison_rounds(w: str, prompts, args, in_process: InProcess, client, model: str, url: str, llama: dict) -> list:
@@ -242,6 +251,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (bench/build_llamacpp.sh)")
     ap.add_argument("--gguf", default=None, help="the GGUF of the same weights llama-server serves")
     ap.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-server's -t (default: every core)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the server's choice per cell, each followed "
+                    "by a plain run (the cell starts with one)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the batch-1 greedy comparisons (in-process, "
                     "raw SSE reader, llama-server) per workload")
     ap.add_argument("--out", default="bench/results/default_stack")
@@ -334,17 +345,20 @@ def report(r: dict) -> str:
              f"client, streamed chat completions, up to {a['max_tokens']} tokens; batch 1 sends {a['prompts']} "
              "held-out prompts one after another, batch B sends B prompts as B concurrent streams. "
              "Plain = `speculative: {num_speculative_tokens: 0}` in the request; server's choice = no field. "
-             "Runs interleaved: plain, server's choice, plain; the ratio is over the mean of the plain runs around it. "
+             f"Runs interleaved: plain, then {a.get('repeats', 1)} times server's choice and plain again; tok/s is a mode's "
+             "mean over its runs, the ratio choice's mean over plain's, and 'runs' gives each choice run over the "
+             "two plain runs around it (this machine drifts 10-20% between runs a minute apart). "
              "Every cell first sends its prompts once for one token, untimed (llama-server's cells too), so each "
              "timed run finds them in the prefix cache (TTFT below is a cache hit's).",
              "", "| workload | T | batch | plain tok/s | server's choice tok/s | ratio | TTFT plain / choice (s) "
-             "| acceptance | drafts by drafter | greedy identical |", "|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
+             "| runs | acceptance | drafts by drafter | greedy identical |", "|---|---:|---:|---:|---:|---:|---|---|---:|---|---|"]
     for key, cell in r["specd"].items():
         w, t, b = key.split(" ")
         p, d = cell["plain"], cell["default"]
         n = a["prompts"] if b == "batch=1" else int(b.split("=")[1])
         lines.append(f"| {w} | {t[2:]} | {b[6:]} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {d['ratio']:.2f}x | "
-                     f"{p['ttft_s']:.2f} / {d['ttft_s']:.2f} | {d['acceptance']:.2f} | "
+                     f"{p['ttft_s']:.2f} / {d['ttft_s']:.2f} | {' '.join(f'{x:.2f}' for x in d.get('ratio_runs', []))} | "
+                     f"{d['acceptance']:.2f} | "
                      f"{', '.join(f'{k} {v}' for k, v in d['drafters'].items()) or '-'} | "
                      f"{str(d['identical']) + '/' + str(n) if 'identical' in d else '-'} |")
     lines += ["", f"Batch 1, greedy, the same prompts, in {a['rounds']} rounds per workload after its cells; each round "

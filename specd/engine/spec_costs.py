@@ -35,13 +35,16 @@ class _Recent:
 
     def __init__(self) -> None:
         self.values: list[float] = []
+        self._median = 0.0
 
     def observe(self, seconds: float) -> None:
         self.values.append(seconds)
         del self.values[:-self.KEEP]
+        # kept here: the controller reads a cost many times a step and observes it once
+        self._median = sorted(self.values)[len(self.values) // 2]
 
     def median(self) -> float:
-        return sorted(self.values)[len(self.values) // 2]
+        return self._median
 
 
 class DraftCost:

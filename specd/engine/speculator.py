@@ -59,6 +59,9 @@ class Speculator:
         if not decoding:
             return {}
         caps = [self._cap(e.seq, budget_left) for e in decoding]
+        for e in decoding:
+            if e.seq.seq_id not in self.controller.sampled:
+                self.controller.note_sampling(e.seq.seq_id, e.seq.params.temperature > 0)
         base_tokens = sum(e.num_new_tokens for e in batch)
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
         plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],

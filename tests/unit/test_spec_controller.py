@@ -111,6 +111,22 @@ def test_override_and_cap_are_respected():
     assert c.choose([(0, 4, 0), (1, 2, None), (2, 4, 3)], base_tokens=3) == [0, 2, 3]
 
 
+def test_sampled_requests_do_not_lower_the_prior_of_greedy_ones():
+    """A batch of sampled requests that reject most drafts, then new requests: a greedy one starts
+    from what greedy sequences accepted, a sampled one from what sampled ones did (one prior for
+    both turned speculation off for the greedy code edits after a sampled batch)."""
+    c = _trained(lambda t: 0.010 + 0.0005 * t, alpha=0.9, seqs=[0])  # greedy history: accepts
+    for sid in range(100, 132):
+        c.note_sampling(sid, True)
+        for _ in range(50):
+            c.observe_accept(sid, 4, 0)  # sampled: rejects the first draft
+        c.release(sid)
+    c.note_sampling(200, False)
+    c.note_sampling(201, True)
+    assert c.choose([(200, 4, None)], base_tokens=1)[0] > 0
+    assert c.choose([(201, 4, None)], base_tokens=1) == [0]
+
+
 def test_untrained_uses_full_k():
     c = SpecController(5)
     assert c.verify_cost.n < MIN_SAMPLES
