@@ -122,6 +122,7 @@ class SpecController:
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
+        self._explored: tuple[str | None, float] | None = None  # this step's exploration: (drafter, seconds charged)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
 
     def grant_exploration(self, seconds: float) -> None:
@@ -164,29 +165,45 @@ class SpecController:
             return choice
         n = len(seqs)
         scale = {k > 0: self.calibration.scale(n, "spec" if k else "plain") for k in (0, 1)}
-        best, best_rate, raw_best, plain = None, -1.0, None, None
+        best, best_rate, raw_best, plain, plain_rate = None, -1.0, None, None, 0.0
         for k in range(self.max_k + 1):
             for subset in _subsets(names) if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
-                plain = plain or option
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
                 rate = raw * scale[k > 0]
+                if plain is None:
+                    plain, plain_rate = option, rate
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
                 if rate > best_rate * (SWITCH_MARGIN if best is None or best[0] == 0 else 1.01):
                     best, best_rate = (k, option), rate
                 if raw_best is None or raw > raw_best[1] * (SWITCH_MARGIN if raw_best[0] == 0 else 1.01):
                     raw_best = (k, raw, option)
         wanted = "spec" if best[0] else "plain"
-        mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0)
+        mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0,
+                                     probe_loss=self._probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale))
         if mode != wanted:  # a probe of the other mode
             best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
         choice, _, self._predicted = best[1]
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
+        self._explored = None
         if self._explore(choice, fixed, seqs, base_tokens, names):
             self.step_mode = "explore"
         return choice
+
+    @staticmethod
+    def _probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale) -> float:
+        """Cycles of the wanted mode a cycle of the other loses, as the calibrated model sees it:
+        its time over the wanted one's times the share of the rate it gives up."""
+        if wanted == "plain":
+            probe_s, probe_rate = raw_best[2][2] / scale[True], raw_best[1] * scale[True]
+        else:
+            probe_s, probe_rate = plain[2] / scale[False], plain_rate
+        wanted_s = best[1][2] / scale[wanted == "spec"]
+        if best_rate <= 0 or wanted_s <= 0:
+            return 0.0
+        return probe_s / wanted_s * max(0.0, 1.0 - probe_rate / best_rate)
 
     def _rate(self, seqs, fixed, k: int, subset: list[str | None], base_tokens: int):
         """(k, drafter) per sequence with drafters from subset -> (that choice, tokens expected,
@@ -276,6 +293,7 @@ class SpecController:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
             cost, k = options[name]
             self.explore_credit[name] = min(self.explore_credit[name] - cost, cost)
+            self._explored = (name, cost)
             self.explore_seq = sid
             choice[i] = (k, name)
             return True
@@ -293,15 +311,24 @@ class SpecController:
     def open_cycle(self, num_seqs: int, start: float, compute_s: float) -> None:
         """A decode-only step of num_seqs sequences began at `start` and computed for compute_s;
         its cycle ends when the next step begins (close_cycle)."""
-        self._cycle = (num_seqs, self.step_mode, start, compute_s, self._predicted)
+        self._cycle = (num_seqs, self.step_mode, start, compute_s, self._predicted,
+                       self._explored if self.step_mode == "explore" else None)
 
     def close_cycle(self, now: float) -> None:
         cycle, self._cycle = self._cycle, None
         if cycle is None:
             return
-        num_seqs, mode, start, compute_s, predicted = cycle
-        if now - start <= 2 * compute_s + 0.05:  # longer: the engine waited for work, not an overhead
-            self.calibration.observe(num_seqs, mode, now - start, predicted)
+        num_seqs, mode, start, compute_s, predicted, explored = cycle
+        if now - start > 2 * compute_s + 0.05:  # the engine waited for work, not an overhead
+            return
+        self.calibration.observe(num_seqs, mode, now - start, predicted)
+        if explored is not None:
+            # An exploration costs what its cycle took beyond a plain one, not what was predicted:
+            # the prediction leaves out the drafter reading the sequence's whole history (a draft
+            # model at 1 thread, on cores the verifier computes on), so the budget overran.
+            name, charged = explored
+            plain = predicted * self.calibration.get(num_seqs, "plain").value
+            self.explore_credit[name] -= max(0.0, (now - start) - plain - charged)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify_cost.observe(tokens, seconds)

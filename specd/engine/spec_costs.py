@@ -151,6 +151,12 @@ class RealizedCalibration:
     # may have come to pay), plain decoding every 256 speculative ones (its cost moves little).
     PROBE_AFTER = {"plain": 64, "spec": 256}
     PROBE_CYCLES = 4
+    # A probe of a mode last measured slower loses what it was measured to lose: probes come no
+    # more often than keeps that under this share of the time (every 64 cycles, a probe whose
+    # cycles each cost 2 plain ones lost 6%), but at least every PROBE_MAX cycles (a mode that
+    # comes to pay is found within that).
+    PROBE_SHARE = 0.02
+    PROBE_MAX = 1024
 
     def __init__(self) -> None:
         self.cal: dict[tuple[int, str], _Ratio] = {}  # (batch bucket, mode) -> cycle seconds ratio
@@ -169,11 +175,13 @@ class RealizedCalibration:
         c = self.get(num_seqs, mode)
         return 1.0 / c.value if c.n else 1.0
 
-    def mode(self, num_seqs: int, wanted: str, spec_may_pay: bool = True) -> str:
+    def mode(self, num_seqs: int, wanted: str, spec_may_pay: bool = True, probe_loss: float = 0.0) -> str:
         """The mode to run this cycle: the one the calibrated model wants, or the other on a probe
         (also while the other has never been measured). Speculation is probed only where the
         model before calibration wants it (spec_may_pay): where it predicts a loss anyway, a
-        probe would only cost."""
+        probe would only cost. probe_loss: the cycles of the wanted mode one cycle of the other
+        loses, as last measured; probes are spaced so that they lose at most PROBE_SHARE of the
+        time, or PROBE_MAX cycles apart."""
         b = self.bucket(num_seqs)
         other = "plain" if wanted == "spec" else "spec"
         if other == "spec" and not spec_may_pay:
@@ -187,7 +195,8 @@ class RealizedCalibration:
         if self.get(num_seqs, wanted).n < self.PROBE_CYCLES:
             return wanted  # first measure what the model wants, then what it would leave
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
-        if self.since_probe[b] >= self.PROBE_AFTER[wanted] or self.get(num_seqs, other).n == 0:
+        interval = min(max(self.PROBE_AFTER[wanted], self.PROBE_CYCLES * probe_loss / self.PROBE_SHARE), self.PROBE_MAX)
+        if self.since_probe[b] >= interval or self.get(num_seqs, other).n == 0:
             self.since_probe[b] = 0
             if self.PROBE_CYCLES > 1:
                 self.probing[b] = (other, self.PROBE_CYCLES - 1)
