@@ -20,11 +20,11 @@ def logits_rows(n: int) -> torch.Tensor:
 
 def zero_noise_on_filtered(monkeypatch):
     """Every Exp(1) draw gives 1, except exactly 0 on the FILTERED token."""
-    def fake(self, lambd=1.0, *, generator=None):
-        self.fill_(1.0)
-        self[..., FILTERED] = 0.0
-        return self
-    monkeypatch.setattr(torch.Tensor, "exponential_", fake)
+    def fake(shape, device, generator=None):
+        noise = torch.ones(shape, device=device)
+        noise[..., FILTERED] = 0.0
+        return noise
+    monkeypatch.setattr(rs, "exp_noise", fake)
 
 
 def test_zero_noise_on_a_filtered_token_never_emits_it(monkeypatch):
@@ -32,7 +32,7 @@ def test_zero_noise_on_a_filtered_token_never_emits_it(monkeypatch):
     params = SamplingParams(temperature=1.0, top_k=2)
     probs = torch.tensor([[0.6, 0.4, 0, 0, 0, 0.0, 0, 0]])
     # Unclamped, p / E = 0 / 0 = NaN on the filtered token, and argmax picks NaN.
-    assert rs.exponential_race(probs, torch.empty(1, V).exponential_())[0] == FILTERED
+    assert rs.exponential_race(probs, rs.exp_noise((1, V), CPU))[0] == FILTERED
     _, noise = rs.draw_randomness([None, make_generator(1, CPU)], [0, 0], V, CPU)
     assert bool((noise > 0).all())
     sampler = Sampler(CPU)
@@ -51,15 +51,28 @@ def test_a_step_without_drafts_consumes_what_a_plain_step_does():
     gen = make_generator(7, CPU)
     Sampler(CPU)(logits_rows(1), SamplingMetadata.build([params], CPU, [gen]))
     plain = make_generator(7, CPU)
-    torch.empty(V).exponential_(generator=plain)  # one noise row, no uniforms
+    rs.exp_noise((V,), CPU, plain)  # one noise row, no uniforms
     assert torch.equal(gen.get_state(), plain.get_state())
     # With k drafts: k uniforms first, then the one noise row, shared by recovered and bonus.
     gen = make_generator(7, CPU)
     Sampler(CPU)(logits_rows(3), SamplingMetadata.build([params], CPU, [gen], drafts=[[0, 1]]))
     spec = make_generator(7, CPU)
     torch.rand(2, generator=spec)
-    torch.empty(V).exponential_(generator=spec)
+    rs.exp_noise((V,), CPU, spec)
     assert torch.equal(gen.get_state(), spec.get_state())
+
+
+def test_cpu_noise_is_exp1():
+    """The CPU's noise rows: positive, and Exp(1) by their mean, variance and tail (a uniform in
+    float32 would put E = 0 on ~1 in 2^24 draws; none of 4M here may be 0 or inf)."""
+    noise = rs.exp_noise((64, 65536), CPU, make_generator(0, CPU))
+    assert noise.dtype == torch.float32 and bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+    e = noise.double()
+    n = e.numel()
+    assert abs(e.mean().item() - 1) < 5 / n ** 0.5 and abs(e.var().item() - 1) < 10 / n ** 0.5
+    for x in (0.01, 1.0, 5.0):  # P(E > x) = exp(-x)
+        p = float(torch.tensor(-x).exp())
+        assert abs((e > x).double().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
 
 
 def test_greedy_rows_draw_nothing():
