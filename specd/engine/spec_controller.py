@@ -183,12 +183,12 @@ class SpecController:
                                      probe_loss=self._probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale))
         if mode != wanted:  # a probe of the other mode
             best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
-        choice, _, self._predicted = best[1]
+        choice, expected, self._predicted = best[1]
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
         self._explored = None
-        if self._explore(choice, fixed, seqs, base_tokens, names):
+        if self._explore(choice, fixed, seqs, base_tokens, names, expected / max(self._predicted, 1e-9)):
             self.step_mode = "explore"
         return choice
 
@@ -271,12 +271,15 @@ class SpecController:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
-    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list) -> bool:
+    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
         would pay best were the drafter as good as the prior (on a CPU, a k that fills a matmul
         tile costs a fraction of max_k), and the drafter with the fewest tries for this sequence
         weighed by what a try costs: a draft model that must first read a long history costs
-        many suffix lookups, and waiting for it starved the cheap one. -> whether one does."""
+        many suffix lookups, and waiting for it starved the cheap one. Only drafters whose k
+        drafts, were all of them accepted, would raise the step's rate (tokens a second) are
+        tried: where not even that pays (a CPU at batch 32, where each verify row costs about
+        what a sequence's step does), what a try would learn cannot be used. -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit.clear()  # nothing to learn: no saving up for a burst
@@ -288,7 +291,7 @@ class SpecController:
 
         cap = min(self.max_k, seqs[i][1])
         options = {n: self._explore_option(n, tokens, cap) for n in ([self.pinned[sid]] if sid in self.pinned else names)}
-        affordable = [n for n, (cost, _) in options.items() if self.explore_credit[n] >= cost]
+        affordable = [n for n, (cost, k) in options.items() if self.explore_credit[n] >= cost and k > rate * cost]
         if affordable:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
             cost, k = options[name]

@@ -134,7 +134,7 @@ def test_untrained_uses_full_k():
 
 
 def test_exploration_spends_a_bounded_share_of_verify_time():
-    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
+    verify = lambda t: 0.010 + 0.001 * t  # noqa: E731  acceptance 0.1: speculation stays off
     c = _trained(verify, alpha=0.1)
     c.grant_exploration(0.0)
     seqs = [(i, 4, None) for i in range(32)]
@@ -164,7 +164,7 @@ def test_exploration_is_charged_what_its_cycles_really_took():
     must first read the sequence's whole history (on the cores the verifier computes on) makes
     the cycle 30 ms longer. Charged what the cycles took, exploring stays within its share of
     the time (charged what was predicted, it spent several times that)."""
-    verify = lambda t: 0.0005 + 0.001 * t  # noqa: E731  compute-bound: speculation stays off
+    verify = lambda t: 0.010 + 0.001 * t  # noqa: E731  acceptance 0.1: speculation stays off
     c = _trained(verify, alpha=0.1)
     seqs = [(i, 4, None) for i in range(32)]
     now, extra, verify_s, tries = 0.0, 0.0, 0.0, 0
@@ -181,6 +181,17 @@ def test_exploration_is_charged_what_its_cycles_really_took():
         tries += any(ks)
     assert tries >= 5  # it still explores
     assert extra <= EXPLORE_SHARE * verify_s + 2 * (0.030 + verify(36) - verify(32))  # the share, and a try or two
+
+
+def test_no_exploration_where_not_even_perfect_drafts_would_pay():
+    """Each verify row costs what a sequence's step does (a CPU at batch 32): k drafts, all
+    accepted, give k tokens for more than k rows' time, so there is nothing to learn and no try
+    is made, whatever the budget. Where rows are cheap (a weight-streaming step) it explores."""
+    for verify, explores in ((lambda t: 0.001 * t, False), (lambda t: 0.030 + 0.0002 * t, True)):
+        c = _trained(verify, alpha=0.1)
+        c.grant_exploration(1.0)
+        ks = c.choose([(i, 4, None) for i in range(32)], base_tokens=32)
+        assert any(ks) == explores, (explores, ks)
 
 
 def test_spec_stats_counts_and_ratios():
