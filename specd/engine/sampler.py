@@ -2,11 +2,12 @@
 
   SamplingMetadata  the step's inputs, built once from the batch: per-row sampling params
                     as tensors, generators, and the drafts (SpecDecodeMetadata).
-  draw_randomness   every uniform and Exp(1) row the step consumes, drawn once, up front.
+  draw_randomness   every uniform and Exp(1) row a step with drafts consumes, drawn once, up front.
   Sampler           the target token of each sampled sequence from its last logits row:
-                    argmax of the raw logits (greedy) or the exponential race argmax(p / E),
-                    which draws exactly from p without a host sync. For a sequence without
-                    drafts that is its next token; with drafts, its bonus token.
+                    argmax of the raw logits (greedy); in a step without drafts, the inverse
+                    CDF at one uniform per row (a step of plain decoding draws B numbers, not
+                    B x V); with drafts, the exponential race argmax(p / E), whose noise row the
+                    recovered draw shares, which draws exactly from p without a host sync.
   rejection_sample  takes those bonus tokens and only decides acceptance and draws the
                     recovered tokens, with the same noise row as the bonus (one of the two
                     is emitted). So a step without drafts consumes what a plain step does.
@@ -136,17 +137,20 @@ class Sampler:
         spec = meta.spec
         if not meta.generators:  # only mid-prefill chunks in the step
             return SamplerOutput([], [])
-        uniforms = noise = None
-        if any(meta.draws):
-            uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
-                                              logits.device, self.default_generator, meta.draws)
         probs = None if spec.all_greedy else apply_sampling_filters(logits, meta)  # [R, V]
         # Greedy from the raw logits: softmax can round two close logits to one probability.
         # max().indices: the same first-maximum index as argmax, 2.5x faster on a 49k-wide row here.
         greedy_tokens = logits.max(dim=-1).indices  # [R]
         if spec.max_num_draft == 0:  # every row is a last row: no drafts to verify
-            tokens = self.sample_target(greedy_tokens, probs, spec.is_greedy, noise)
+            tokens = greedy_tokens
+            if probs is not None:
+                u = draw_row_uniforms(meta.generators, meta.draws, logits.device, self.default_generator)
+                tokens = torch.where(spec.is_greedy, greedy_tokens, inverse_cdf(probs, u))
             return SamplerOutput([[t] for t in tokens.tolist()], [0] * len(meta.generators))
+        uniforms = noise = None
+        if any(meta.draws):
+            uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
+                                              logits.device, self.default_generator, meta.draws)
         if spec.has_tree:
             # A step with a token tree verifies every sequence by the tree walk (a chain is the
             # tree [-1, 0, 1, ..]: the same decisions), which draws its last token itself.
@@ -157,6 +161,35 @@ class Sampler:
         out = rejection_sample(spec, None if probs is None else probs[meta.draft_rows],
                                greedy_tokens[meta.draft_rows], bonus, uniforms, noise)
         return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())
+
+
+def draw_row_uniforms(generators: Sequence[torch.Generator | None], draws: Sequence[bool], device,
+                      default_generator: torch.Generator) -> torch.Tensor:
+    """One uniform per row [B] float64: a seeded row's from its own generator (its draw does not
+    depend on the batch), the others' in one draw from the engine's; 0 where a row draws nothing."""
+    u = torch.zeros(len(generators), dtype=torch.float64, device=device)
+    shared = [b for b, (g, d) in enumerate(zip(generators, draws)) if d and g is None]
+    if shared:
+        u[torch.tensor(shared, device=device)] = torch.rand(len(shared), dtype=torch.float64, device=device,
+                                                            generator=default_generator)
+    for b, (g, d) in enumerate(zip(generators, draws)):
+        if d and g is not None:
+            u[b] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token per row drawn from probs [B, V] at the uniform u [B] in [0, 1): the first whose
+    cumulative probability exceeds u times the row's total (summed in float64: a float32 sum of
+    49k terms rounds by ~1e-7, so a token of probability 1e-8 would be drawn at a rate that
+    rounding sets). The point is kept strictly below the total whatever u is, so the token found
+    is one where the sum rises: a token of probability 0 (filtered, or masked by a grammar) is
+    never drawn. On the 2-core EPYC, B = 32 x 49152: ~2 ms
+    against ~35 ms for the exponential race's B x V draws."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
 
 
 def draft_seed(seed: int, position: int) -> int:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
+from specd.engine.sampler import Sampler, SamplingMetadata, inverse_cdf, make_generator
 from specd.kernels import rejection_sampler as rs
 from specd.sampling import SamplingParams
+from chi2 import chi2_critical
 
 CPU = torch.device("cpu")
 V = 8
@@ -51,7 +52,7 @@ def test_a_step_without_drafts_consumes_what_a_plain_step_does():
     gen = make_generator(7, CPU)
     Sampler(CPU)(logits_rows(1), SamplingMetadata.build([params], CPU, [gen]))
     plain = make_generator(7, CPU)
-    rs.exp_noise((V,), CPU, plain)  # one noise row, no uniforms
+    torch.rand(1, dtype=torch.float64, generator=plain)  # one uniform: the inverse CDF's point
     assert torch.equal(gen.get_state(), plain.get_state())
     # With k drafts: k uniforms first, then the one noise row, shared by recovered and bonus.
     gen = make_generator(7, CPU)
@@ -73,6 +74,34 @@ def test_cpu_noise_is_exp1():
     for x in (0.01, 1.0, 5.0):  # P(E > x) = exp(-x)
         p = float(torch.tensor(-x).exp())
         assert abs((e > x).double().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+
+
+def test_inverse_cdf_never_draws_a_token_of_probability_zero():
+    """At the ends too, u = 1 included (a point at the total would run the search past the last
+    token that has mass); tokens of probability 0 first, between and last (a grammar's mask)."""
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.0], [0.1, 0.0, 0.0, 0.0, 0.9]] * 4)
+    u = torch.tensor([0.0] * 3 + [1 - 2**-53] * 3 + [1.0] * 3 + [0.5] * 3, dtype=torch.float64)
+    tokens = inverse_cdf(probs, u)
+    assert bool((probs[torch.arange(12), tokens] > 0).all()), tokens
+    assert tokens.tolist() == [1, 2, 0, 3, 2, 4, 3, 2, 4, 3, 2, 4]
+
+
+def test_inverse_cdf_draws_from_the_distribution():
+    """A skewed 1000-token row (one token at half the mass, a tail 1e4 times smaller): chi-square
+    over 200k draws, the tail tokens pooled."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(1000, generator=g) ** 8
+    p[17] = p.sum()
+    p = (p / p.sum()).float()
+    n = 200_000
+    tokens = inverse_cdf(p.expand(n, -1), torch.rand(n, dtype=torch.float64, generator=g))
+    counts = torch.bincount(tokens, minlength=1000).double()
+    expected = p.double() * n
+    big = expected >= 20
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    assert stat < chi2_critical(len(obs) - 1), stat
 
 
 def test_greedy_rows_draw_nothing():
