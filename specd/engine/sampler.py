@@ -2,15 +2,16 @@
 
   SamplingMetadata  the step's inputs, built once from the batch: per-row sampling params
                     as tensors, generators, and the drafts (SpecDecodeMetadata).
-  draw_randomness   every uniform and Exp(1) row a step with drafts consumes, drawn once, up front.
+  draw_randomness   every uniform and Exp(1) row the sequences with drafts consume, drawn once, up front.
   Sampler           the target token of each sampled sequence from its last logits row:
-                    argmax of the raw logits (greedy); in a step without drafts, the inverse
-                    CDF at one uniform per row (a step of plain decoding draws B numbers, not
+                    argmax of the raw logits (greedy); for a sequence without drafts, the
+                    inverse CDF at one uniform (plain decoding draws B numbers a step, not
                     B x V); with drafts, the exponential race argmax(p / E), whose noise row the
                     recovered draw shares, which draws exactly from p without a host sync.
   rejection_sample  takes those bonus tokens and only decides acceptance and draws the
                     recovered tokens, with the same noise row as the bonus (one of the two
-                    is emitted). So a step without drafts consumes what a plain step does.
+                    is emitted). A sequence consumes one uniform a step without drafts, its k
+                    uniforms and one noise row with k drafts, whatever else is in the step.
 Each seeded request draws from its own generator, so its tokens do not depend on what else
 is in the batch.
 """
