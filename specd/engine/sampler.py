@@ -157,7 +157,6 @@ class Sampler:
             drafted = [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)]
             uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
                                               logits.device, self.default_generator, drafted)
-        plain_rows = torch.tensor(plain, device=logits.device)
         if spec.has_tree:
             # A step with a token tree verifies every sequence by the tree walk (a chain is the
             # tree [-1, 0, 1, ..]: the same decisions), which draws its last token itself.
@@ -168,7 +167,7 @@ class Sampler:
         bonus = self.sample_target(greedy_tokens[meta.bonus_rows],
                                    None if probs is None else probs[meta.bonus_rows], spec.is_greedy, noise)
         if direct is not None:
-            bonus = torch.where(plain_rows, direct, bonus)
+            bonus = torch.where(torch.tensor(plain, device=logits.device), direct, bonus)
         out = rejection_sample(spec, None if probs is None else probs[meta.draft_rows],
                                greedy_tokens[meta.draft_rows], bonus, uniforms, noise)
         return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())
