@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,10 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, the peak of this process's own memory map. Not ru_maxrss: Linux carries that across
+    # fork and exec, so a worker started by a parent that once held more reports the parent's peak.
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
 # ------------------------------------------------------------------ workers (one process each)
