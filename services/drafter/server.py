@@ -20,7 +20,6 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 from opentelemetry import trace
 
 from specd.rpc.auth import drafter_proof

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from head_layouts import write_layout
 from letters_model import make_letters_pair
