@@ -127,6 +127,28 @@ def test_sampled_requests_do_not_lower_the_prior_of_greedy_ones():
     assert c.choose([(201, 4, None)], base_tokens=1) == [0]
 
 
+def test_a_sampled_sequence_starts_from_what_greedy_ones_accepted():
+    """No sampled history yet, but greedy sequences accepted few drafts: a new sampled sequence
+    starts from that, not from the optimistic PRIOR_ALPHA, so it does not speculate where greedy
+    ones learned it does not pay; once sampled sequences accept, their own history counts."""
+    verify = lambda t: 0.010 + 0.003 * t  # noqa: E731  every token costs: a draft must be likely to pay
+    c = _trained(verify, alpha=0.2, seqs=[0])  # greedy history: mostly rejects
+    for t in range(1, 17):
+        c.observe_verify(t, verify(t))
+    c.grant_exploration(0.0)  # (those observations earned exploration credit: spend none)
+    c.note_sampling(300, True)
+    assert c.estimates(300, None)[0] < 0.35
+    assert c.choose([(300, 4, None)], base_tokens=1) == [0]
+    for sid in range(100, 132):  # sampled sequences that accept
+        c.note_sampling(sid, True)
+        for _ in range(50):
+            c.observe_accept(sid, 4, 4)
+        c.release(sid)
+    c.note_sampling(301, True)
+    assert c.estimates(301, None)[0] > 0.9
+    assert c.choose([(301, 4, None)], base_tokens=1)[0] > 0
+
+
 def test_untrained_uses_full_k():
     c = SpecController(5)
     assert c.verify_cost.n < MIN_SAMPLES
