@@ -37,16 +37,12 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")  # held out: Debian's base-files
 KV_GB = 0.25  # every specd run: a KV cache of this size (what RSS is compared against)
 
 
-def rss_mb() -> float:
+def status_mb(field: str) -> float:
+    """A size from /proc/self/status in MB: VmRSS (resident now) or VmHWM (this process's own
+    peak; not ru_maxrss, which Linux carries across fork and exec, so a worker started by a parent
+    that once held more would report the parent's peak)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def peak_rss_mb() -> float:
-    # VmHWM, the peak of this process's own memory map. Not ru_maxrss: Linux carries that across
-    # fork and exec, so a worker started by a parent that once held more reports the parent's peak.
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 # ------------------------------------------------------------------ workers (one process each)
@@ -58,12 +54,12 @@ def worker_decode(args) -> dict:
     from specd.models.chat import chat_prompt_ids
     from specd_train.workloads import workload
 
-    before = rss_mb()
+    before = status_mb("VmRSS")
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, kv_cache_gb=KV_GB, enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
     engine = llm.engine
-    loaded = rss_mb()
+    loaded = status_mb("VmRSS")
     prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, m)} for m in workload("chat", 8)]
     def seconds(batch: list, tokens: int) -> float:
         t = time.perf_counter()
@@ -96,7 +92,7 @@ def worker_decode(args) -> dict:
     return {"quantization": engine.model.quantization, "dtype": str(engine.dtype).removeprefix("torch."),
             "exact": engine.model.exact, "load_s": load_s, "decode_b1": statistics.median(b1),
             "decode_b1_e2e": statistics.median(b1_e2e), "decode_b8": b8,
-            "prefill": max(prefill), "rss_before_mb": before, "rss_loaded_mb": loaded, "peak_rss_mb": peak_rss_mb(),
+            "prefill": max(prefill), "rss_before_mb": before, "rss_loaded_mb": loaded, "peak_rss_mb": status_mb("VmHWM"),
             "kv_mb": kv_mb}
 
 
