@@ -204,29 +204,71 @@ void column_tiles(int64_t blocks, int64_t rows, const bf16* x, int64_t ldx, cons
   }
 }
 
+// The rows past the last full group of BLOCK_R: one tile shape (rows, column blocks) per count,
+// over the same column tile as the full groups, while it is in cache. An accumulator is one chain
+// of two dependent FMAs per K pair, so a tile keeps the FMA units busy only with enough of them
+// (AVX2: 8, for 4 cycles of latency on 2 units); a row left after a 4 x 1 tile had 2 and took as
+// long as the four before it. On AVX2 a work unit is 2 column blocks wide and that row takes a
+// 1 x 2 tile (a 5-token verify forward 8% faster: bench/results/verify_rows_avx2.md); 2 x 2 and
+// 3 x 2 tiles do not fit 16 registers (GCC spills accumulators, measured slower), so 2 and 3
+// rows keep their 2 x 1 and 3 x 1. AVX-512's units are 4 blocks wide, its rest as before.
+struct RestTile {
+  int rows, cols;
+};
+#if defined(SPECD_AVX512)
+constexpr int UNIT_C = BLOCK_C;
+constexpr RestTile REST[BLOCK_R] = {{}, {1, 4}, {2, 4}, {3, 4}, {4, 4}, {5, 4}};
+#else
+constexpr int UNIT_C = 2;
+constexpr RestTile REST[BLOCK_R] = {{}, {1, 2}, {2, 1}, {3, 1}};
+#endif
+
+template <class Op>
+void rest_tiles(RestTile shape, int64_t blocks, const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K,
+                const float* bias, int64_t n0, int64_t N, bf16* y, float* yf) {
+  switch (shape.rows * 8 + shape.cols) {  // REST's shapes on this ISA
+#if defined(SPECD_AVX512)
+    case 1 * 8 + 4: return column_tiles<Op, 1, 4>(blocks, 1, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 2 * 8 + 4: return column_tiles<Op, 2, 4>(blocks, 2, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 3 * 8 + 4: return column_tiles<Op, 3, 4>(blocks, 3, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 4 * 8 + 4: return column_tiles<Op, 4, 4>(blocks, 4, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 5 * 8 + 4: return column_tiles<Op, 5, 4>(blocks, 5, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+#else
+    case 1 * 8 + 2: return column_tiles<Op, 1, 2>(blocks, 1, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 2 * 8 + 1: return column_tiles<Op, 2, 1>(blocks, 2, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+    case 3 * 8 + 1: return column_tiles<Op, 3, 1>(blocks, 3, x, ldx, w, pairs, K, bias, n0, N, y, yf);
+#endif
+    default: TORCH_CHECK(false, "no rest tile of ", shape.rows, " x ", shape.cols);
+  }
+}
+
 template <class Op>
 void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y, float* yf) {
-  const int64_t pairs = (K + 1) / 2, blocks = (N + LANES - 1) / LANES;
+  const int64_t pairs = (K + 1) / 2, blocks = (N + LANES - 1) / LANES, block_elems = pairs * 2 * LANES;
   // Tile shapes change only the speed: each output's accumulation order is fixed above.
   // One or two rows (decode): wide tiles keep enough FMAs in flight to stream W. More (verify
-  // blocks, prefill): taller tiles that reuse each W load across rows. Work items are (column
-  // tile, chunk of 48 rows), tile-major, so a thread's next item reads the same W tile from
-  // cache, not memory.
+  // blocks, prefill): taller tiles that reuse each W load across rows, and the rest (REST) over the
+  // same columns while they are in cache. Work units are (column tile, chunk of 48 rows),
+  // tile-major, so a thread's next unit reads the same W tile from cache, not memory.
   const bool decode = M <= 2;
-  const int64_t C = decode ? DECODE_C : BLOCK_C, tiles = (blocks + C - 1) / C, chunk = 48;
+  const int64_t C = decode ? DECODE_C : UNIT_C, tiles = (blocks + C - 1) / C, chunk = 48;
   const int64_t chunks = (M + chunk - 1) / chunk;
   at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, r0 = (i % chunks) * chunk, rows = std::min(chunk, M - r0);
-      const int64_t cols = std::min(C, blocks - t * C);
-      const bf16* wt = w + t * C * pairs * 2 * LANES;
+      const int64_t cols = std::min(C, blocks - t * C), n0 = t * C * LANES;
+      const bf16* wt = w + t * C * block_elems;
       bf16* yt = y ? y + r0 * N : nullptr;
       float* yft = yf ? yf + r0 * N : nullptr;
       if (decode) {
-        column_tiles<Op, DECODE_R, DECODE_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
-      } else {
-        column_tiles<Op, BLOCK_R, BLOCK_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, t * C * LANES, N, yt, yft);
+        column_tiles<Op, DECODE_R, DECODE_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, n0, N, yt, yft);
+        continue;
       }
+      const int64_t full = rows - rows % BLOCK_R;
+      column_tiles<Op, BLOCK_R, BLOCK_C>(cols, full, x + r0 * K, K, wt, pairs, K, bias, n0, N, yt, yft);
+      if (rows > full)
+        rest_tiles<Op>(REST[rows - full], cols, x + (r0 + full) * K, K, wt, pairs, K, bias, n0, N,
+                       yt ? yt + full * N : nullptr, yft ? yft + full * N : nullptr);
     }
   });
 }

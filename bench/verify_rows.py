@@ -1,0 +1,150 @@
+"""What a verify block costs on this CPU: the default target's forward over T = 1..9 query tokens of
+one sequence (bf16, 128 tokens of context), in ms and as a multiple of the 1-token step: the curve
+the speculation controller prices k by (specd/engine/spec_costs.py learns it live).
+
+With --baseline DIR, a checkout of another commit (`git worktree add /tmp/base HEAD~1`), the same
+forward with that checkout's CPU kernels (built in a cache of their own; the engine's Python is
+this tree's), in processes alternating with this tree's, side by side in one run.
+
+    python bench/verify_rows.py --threads 2 [--baseline /tmp/base] [--out bench/results/verify_rows_avx2]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info, machine_line, write_result  # noqa: E402
+
+ROWS = range(1, 10)
+
+
+def use_kernels_of(checkout: Path, cache: Path) -> None:
+    """Import specd.kernels from `checkout` (its sources, built under `cache`) before specd does."""
+    os.environ["SPECD_CACHE"] = str(cache)
+    spec = importlib.util.spec_from_file_location("specd.kernels", checkout / "kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(checkout / "kernels")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["specd.kernels"] = module
+    spec.loader.exec_module(module)
+
+
+def worker(args) -> None:
+    if args.kernels_of:
+        use_kernels_of(Path(args.kernels_of), Path(args.kernels_cache))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from engine import verify_entry  # bench/engine.py
+    from specd import LLM, SamplingParams
+    from specd.engine.scheduler import ScheduledSeq
+    from specd.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        raise SystemExit("the fused CPU ops do not build here")
+    if args.build_only:
+        return
+    engine = LLM(args.model, dtype="bfloat16", max_model_len=512).engine
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 49000) for _ in range(128)]
+    sid = engine.add_request(prompt, SamplingParams(max_tokens=len(ROWS) + 2, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill + first token
+    seq = engine.sequences[sid]
+    assert engine.block_manager.allocate(seq, seq.num_computed_tokens + len(ROWS) + 1)
+    # No forward advances num_computed_tokens: each rewrites the same KV slots.
+    entries = {T: [ScheduledSeq(seq, 1, 1)] if T == 1 else [verify_entry(seq, prompt[:T - 1])] for T in ROWS}
+    for _ in range(2):
+        for entry in entries.values():
+            engine.runner.run(entry)
+    times = {T: [] for T in ROWS}
+    for _ in range(args.iters):
+        for T, entry in entries.items():
+            t = time.perf_counter()
+            engine.runner.run(entry)
+            times[T].append(time.perf_counter() - t)
+    print(json.dumps({T: statistics.median(v) * 1e3 for T, v in times.items()}))
+
+
+def run_worker(args, side: str, cache: Path, build_only: bool = False) -> dict[int, float]:
+    cmd = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--model", args.model,
+           "--iters", str(args.iters)]
+    if side == "baseline":
+        cmd += ["--kernels-of", str(args.baseline), "--kernels-cache", str(cache)]
+    if build_only:
+        cmd.append("--build-only")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return {} if build_only else {int(T): ms for T, ms in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def describe(checkout: Path) -> str:
+    """The checkout and its commit, as the results name the baseline."""
+    out = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    return f"{checkout} ({out.stdout.strip()[:80] or 'not a git checkout'})"
+
+
+def render(r: dict) -> str:
+    sides = r["settings"]["sides"]
+    head = "| T (query tokens) | " + " | ".join(f"{s} ms | {s} / T=1" for s in sides) + " |"
+    lines = ["# A verify block's forward on this CPU (bench/verify_rows.py)", "",
+             "The default target (SmolLM2-135M-Instruct, bfloat16), one sequence of 128 tokens of context, "
+             f"forward over T query tokens; median of {r['settings']['iters']} per process, then the median "
+             f"of {r['settings']['rounds']} processes per side, sides alternating (ABBA).",
+             "" if len(sides) == 1 else f"baseline: the CPU kernels of {r['settings']['baseline']}.", "",
+             head, "|---:|" + "---:|---:|" * len(sides)]
+    for row in r["rows"]:
+        cells = [f"{row[s]:.2f} | {row[s] / r['rows'][0][s]:.2f}x" for s in sides]
+        lines.append(f"| {row['T']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", f"Command: `{r['command']}`.", "", machine_line(r), ""])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="processes per side")
+    p.add_argument("--iters", type=int, default=15, help="forwards per T in each process")
+    p.add_argument("--baseline", type=Path, default=None, help="a checkout whose CPU kernels to compare")
+    p.add_argument("--model", default=None, help="default: the fetched default target")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--build-only", action="store_true")
+    p.add_argument("--kernels-of")
+    p.add_argument("--kernels-cache")
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.model is None:
+        from specd.models import model_store
+
+        args.model = str(model_store.target_dir())
+    t0 = time.monotonic()
+    info = machine_info(args.threads, dtype="bfloat16")
+    sides = ["this tree"] + (["baseline"] if args.baseline else [])
+    with tempfile.TemporaryDirectory(prefix="specd-verify-rows-") as cache:
+        for side in sides:  # builds first, outside the timings
+            run_worker(args, side, Path(cache), build_only=True)
+        runs = {side: [] for side in sides}
+        for i in range(args.rounds):
+            for side in sides if i % 2 == 0 else sides[::-1]:  # ABBA: neither side always goes first
+                runs[side].append(run_worker(args, side, Path(cache)))
+                print(side, {T: round(ms, 2) for T, ms in runs[side][-1].items()}, file=sys.stderr)
+    rows = [{"T": T, **{side: statistics.median(run[T] for run in runs[side]) for side in sides}} for T in ROWS]
+    settings = {"sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
+                "iters": args.iters, "runs": {side: runs[side] for side in sides}}
+    out = args.out or Path(tempfile.gettempdir()) / "verify_rows"
+    write_result(out, "bench/verify_rows.py", argv, info, settings, rows, t0, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
