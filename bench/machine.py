@@ -12,11 +12,13 @@ from pathlib import Path
 def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> dict:
     import torch
 
-    cpu, flags = platform.processor() or "", set()
+    cpu, flags, ids = platform.processor() or "", set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not flags:
                 cpu = line.split(":", 1)[1].strip()
+            elif line.split(":")[0].strip() in ("cpu family", "model", "stepping") and not flags:
+                ids[line.split(":")[0].strip()] = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
@@ -31,6 +33,8 @@ def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> d
     info = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
+        # A hypervisor may name two CPU generations alike ("AMD EPYC"): family / model tell them apart.
+        "cpu_id": " ".join(f"{k.split()[-1]} {v}" for k, v in ids.items()),
         # What decides the CPU kernels (kernels/cpu_ops.py, cpu_bf16_matmul.cpp) and oneDNN's choices.
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))),
         "cores": os.cpu_count(),
@@ -84,6 +88,7 @@ def write_result(out: Path, script: str, argv, info: dict, settings: dict, rows:
 def machine_line(r: dict) -> str:
     """The results' closing line: the machine, threads and load of a write_result record."""
     m = r["machine"]
-    return (f"Machine: {m['cpu']} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
+    cpu = f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
+    return (f"Machine: {cpu} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
             f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start, "
             f"{m['load_avg_end']:.2f} at end; {m['date']}; {r['elapsed_s'] / 60:.0f} min.")
