@@ -53,7 +53,7 @@ def worker(args) -> None:
         raise SystemExit("the fused CPU ops do not build here")
     if args.build_only:
         return
-    engine = LLM(args.model, dtype="bfloat16", max_model_len=512).engine
+    engine = LLM(args.model, dtype=args.dtype, max_model_len=512).engine
     rng = random.Random(1)
     prompt = [rng.randrange(3, 49000) for _ in range(128)]
     sid = engine.add_request(prompt, SamplingParams(max_tokens=len(ROWS) + 2, temperature=0.0, ignore_eos=True))
@@ -75,7 +75,7 @@ def worker(args) -> None:
 
 
 def run_worker(args, side: str, cache: Path, build_only: bool = False) -> dict[int, float]:
-    cmd = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--model", args.model,
+    cmd = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
            "--iters", str(args.iters)]
     if side == "baseline":
         cmd += ["--kernels-of", str(args.baseline), "--kernels-cache", str(cache)]
@@ -96,7 +96,7 @@ def render(r: dict) -> str:
     sides = r["settings"]["sides"]
     head = "| T (query tokens) | " + " | ".join(f"{s} ms | {s} / T=1" for s in sides) + " |"
     lines = ["# A verify block's forward on this CPU (bench/verify_rows.py)", "",
-             "The default target (SmolLM2-135M-Instruct, bfloat16), one sequence of 128 tokens of context, "
+             f"{r['settings']['model']} ({r['machine']['dtype']}), one sequence of 128 tokens of context, "
              f"forward over T query tokens; median of {r['settings']['iters']} per process, then the median "
              f"of {r['settings']['rounds']} processes per side, sides alternating (ABBA).",
              "" if len(sides) == 1 else f"baseline: the CPU kernels of {r['settings']['baseline']}.", "",
@@ -114,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=15, help="forwards per T in each process")
     p.add_argument("--baseline", type=Path, default=None, help="a checkout whose CPU kernels to compare")
     p.add_argument("--model", default=None, help="default: the fetched default target")
+    p.add_argument("--dtype", default="bfloat16", help="auto serves a .gguf in its own quantized types")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--build-only", action="store_true")
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
 
         args.model = str(model_store.target_dir())
     t0 = time.monotonic()
-    info = machine_info(args.threads, dtype="bfloat16")
+    info = machine_info(args.threads, dtype=args.dtype)
     sides = ["this tree"] + (["baseline"] if args.baseline else [])
     with tempfile.TemporaryDirectory(prefix="specd-verify-rows-") as cache:
         for side in sides:  # builds first, outside the timings
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
                 runs[side].append(run_worker(args, side, Path(cache)))
                 print(side, {T: round(ms, 2) for T, ms in runs[side][-1].items()}, file=sys.stderr)
     rows = [{"T": T, **{side: statistics.median(run[T] for run in runs[side]) for side in sides}} for T in ROWS]
-    settings = {"sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
+    settings = {"model": Path(args.model).name, "sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
                 "iters": args.iters, "runs": {side: runs[side] for side in sides}}
     out = args.out or Path(tempfile.gettempdir()) / "verify_rows"
     write_result(out, "bench/verify_rows.py", argv, info, settings, rows, t0, render)
