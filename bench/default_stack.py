@@ -383,7 +383,8 @@ def report(r: dict) -> str:
                      f"{ratio['specd_plain_raw_sse']:.2f}x | {mean['specd_choice']:.1f} | "
                      + (f"{mean['llama_server_plain']:.1f} | {mean['llama_server_ngram']:.1f} | {vs_llama:.2f}x |"
                         if has_llama else "- | - | - |"))
-    lines += ["", f"Machine: {m['cpu']} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
+    cpu = f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
+    lines += ["", f"Machine: {cpu} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
               f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
               f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
     return "\n".join(lines)
