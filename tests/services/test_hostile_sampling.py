@@ -32,7 +32,10 @@ pytestmark = pytest.mark.timeout(1800)
 SECRET = "hostile-suite-secret"
 SECURITY = auth.Security(secret=SECRET)
 TARGET = demo_model_dir("target")
-NUM_REQUESTS, MAX_TOKENS = 200, 520  # 200 x 519 = 103,800 drafted-for tokens
+# 400 x 259 = 103,600 drafted-for tokens, in one wave of short sequences: the forward's attention
+# reads each sequence's whole context at every step, so 200 x 520 took twice the attention (and
+# twice the steps) for the same samples (612 s of the suite's 43 min on the 2-core EPYC).
+NUM_REQUESTS, MAX_TOKENS = 400, 260
 SNIPPETS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self",
             "for i in range(10):\n    ", "    return self.", "with open(path) as f:\n    ",
             "try:\n    import json\nexcept ", "while True:\n    line = "]
@@ -43,7 +46,8 @@ def verifier(launcher):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(auth.TOKEN_ENV, SECRET)
         return launcher.start("verifier", "verifier", [
-            "--model", str(TARGET), "--dtype", "float32", "--max-num-seqs", "256", "--propose-timeout-ms", "2000",
+            "--model", str(TARGET), "--dtype", "float32", "--max-num-seqs", str(NUM_REQUESTS),
+            "--max-queued-requests", str(NUM_REQUESTS), "--propose-timeout-ms", "2000",
             "--speculative-config", json.dumps({"num_speculative_tokens": 4})])
 
 
