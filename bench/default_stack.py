@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info  # noqa: E402
+from machine import cpu_name, machine_info  # noqa: E402
 from real_pair_http import free_port  # noqa: E402
 
 from specd.cli.up import http_ok  # noqa: E402
@@ -383,8 +383,7 @@ def report(r: dict) -> str:
                      f"{ratio['specd_plain_raw_sse']:.2f}x | {mean['specd_choice']:.1f} | "
                      + (f"{mean['llama_server_plain']:.1f} | {mean['llama_server_ngram']:.1f} | {vs_llama:.2f}x |"
                         if has_llama else "- | - | - |"))
-    cpu = f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
-    lines += ["", f"Machine: {cpu} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
+    lines += ["", f"Machine: {cpu_name(m)} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
               f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
               f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
     return "\n".join(lines)

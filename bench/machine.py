@@ -17,8 +17,8 @@ def machine_info(threads: int, device: str = "cpu", dtype: str = "float32") -> d
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not flags:
                 cpu = line.split(":", 1)[1].strip()
-            elif line.split(":")[0].strip() in ("cpu family", "model", "stepping") and not flags:
-                ids[line.split(":")[0].strip()] = line.split(":", 1)[1].strip()
+            elif (key := line.split(":")[0].strip()) in ("cpu family", "model", "stepping") and not flags:
+                ids[key] = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
@@ -85,10 +85,14 @@ def write_result(out: Path, script: str, argv, info: dict, settings: dict, rows:
     return result
 
 
+def cpu_name(m: dict) -> str:
+    """A machine_info record's CPU as results name it: its name, and family / model where recorded."""
+    return f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
+
+
 def machine_line(r: dict) -> str:
     """The results' closing line: the machine, threads and load of a write_result record."""
     m = r["machine"]
-    cpu = f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
-    return (f"Machine: {cpu} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
+    return (f"Machine: {cpu_name(m)} ({' '.join(m.get('cpu_flags', []))}), {m['cores']} cores, torch threads "
             f"{m['threads']}, torch {m['torch']}; load average {m['load_avg_start']:.2f} at start, "
             f"{m['load_avg_end']:.2f} at end; {m['date']}; {r['elapsed_s'] / 60:.0f} min.")

@@ -209,7 +209,7 @@ void column_tiles(int64_t blocks, int64_t rows, const bf16* x, int64_t ldx, cons
 // of two dependent FMAs per K pair, so a tile keeps the FMA units busy only with enough of them
 // (AVX2: 8, for 4 cycles of latency on 2 units); a row left after a 4 x 1 tile had 2 and took as
 // long as the four before it. On AVX2 a work unit is 2 column blocks wide and that row takes a
-// 1 x 2 tile (a 5-token verify forward 8% faster: bench/results/verify_rows_avx2.md); 2 x 2 and
+// 1 x 2 tile (a 5-token verify forward 0.89x the time: bench/results/verify_rows_avx2.md); 2 x 2 and
 // 3 x 2 tiles do not fit 16 registers (GCC spills accumulators, measured slower), so 2 and 3
 // rows keep their 2 x 1 and 3 x 1. AVX-512's units are 4 blocks wide, its rest as before.
 struct RestTile {
