@@ -37,12 +37,21 @@ from specd.proposers.base import Proposal, ProposeRequest, TokenHistories, regis
 
 
 class _Node:
-    __slots__ = ("count", "last", "children")
+    __slots__ = ("count", "last", "children", "best")
 
     def __init__(self):
         self.count = 0     # occurrences of the path's token string
         self.last = 0      # tick of the latest occurrence (tie-break between equal counts)
         self.children: dict[int, _Node] = {}
+        # The child a draft follows: highest (count, last), kept as tokens are added (a node near
+        # the root has hundreds of children; taking their max on every draft step cost most of a
+        # propose call); None where a removal may have changed it (recomputed when next read).
+        self.best: int | None = None
+
+    def best_child(self) -> tuple[int, "_Node"]:
+        if self.best is None:
+            self.best = max(self.children.items(), key=lambda kv: (kv[1].count, kv[1].last))[0]
+        return self.best, self.children[self.best]
 
 
 class SuffixTrie:
@@ -69,6 +78,9 @@ class SuffixTrie:
                     child = node.children[tok] = _Node()
                 child.count += 1
                 child.last = self.tick
+                # the newest occurrence wins ties, so a child that reaches the best's count is the best
+                if node.best is None or node.best == tok or child.count >= node.children[node.best].count:
+                    node.best = tok
                 grown.append(child)
             open_nodes = grown[-keep:] if keep else []
         return open_nodes
@@ -81,6 +93,7 @@ class SuffixTrie:
             for tok in tokens[start: start + self.max_depth]:
                 child = node.children[tok]
                 child.count -= 1
+                node.best = None
                 if child.count == 0:
                     del node.children[tok]  # nothing else passes through: drop the subtree
                     break
@@ -95,12 +108,17 @@ class SuffixTrie:
         return node
 
     def speculate(self, context: list[int], max_spec_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> tuple[list[int], float, int]:
-        """(draft, score, match_len) of the best-scoring match of a suffix of context."""
+                  min_token_prob: float, open_nodes: list[_Node] | None = None) -> tuple[list[int], float, int]:
+        """(draft, score, match_len) of the best-scoring match of a suffix of context.
+        open_nodes: where context is this trie's own latest sequence, the nodes extend() returned
+        for it: the node of its m-token suffix is open_nodes[-m], no walk from the root needed."""
         context = context[-self.max_depth:]
         best: tuple[list[int], float, int] = ([], 0.0, 0)
         for match_len in range(1, len(context)):
-            node = self.match(context[len(context) - match_len:])
+            if open_nodes is not None:
+                node = open_nodes[-match_len]
+            else:
+                node = self.match(context[len(context) - match_len:])
             if node is None:
                 break  # the trie holds every substring of its sequences: longer ones miss too
             limit = min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6))
@@ -113,7 +131,7 @@ class SuffixTrie:
     def _follow(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], float]:
         draft, score, prob = [], 0.0, 1.0
         while len(draft) < limit and node.children:
-            tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
+            tok, child = node.best_child()
             prob *= child.count / node.count
             if prob < min_token_prob:
                 break
@@ -190,7 +208,7 @@ class SuffixProposer:
 
     def _draft(self, state: _Request, tokens: list[int], k: int) -> list[int]:
         args = (tokens, k, self.max_spec_factor, self.min_token_prob)
-        own, own_score, _ = state.trie.speculate(*args)
+        own, own_score, _ = state.trie.speculate(*args, open_nodes=state.open)
         if not self.cached:
             return own
         other, other_score, _ = self.global_trie.speculate(*args)

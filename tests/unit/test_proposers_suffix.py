@@ -152,12 +152,30 @@ def test_trie_counts_match_occurrences_and_remove_restores_it():
             assert len(path) <= depth
             if path:
                 assert node.count == occurrences(path) > 0
+            if node.children:  # the kept best child is the one a draft must follow
+                assert node.best_child()[0] == max(node.children, key=lambda t: (node.children[t].count,
+                                                                                 node.children[t].last))
             stack.extend((c, path + [t]) for t, c in node.children.items())
 
     check()
     for _ in range(3):
         trie.remove(seqs.pop(rng.randrange(len(seqs))))
         check()
+
+
+def test_drafts_from_the_open_nodes_equal_drafts_matched_from_the_root():
+    """A request's own trie drafts from the nodes extend() left open for its latest suffixes; they
+    must be the very nodes a walk from the root finds, every step of a growing sequence."""
+    rng = random.Random(1)
+    for depth in (1, 2, 6, 24):
+        trie, open_nodes, tokens = SuffixTrie(depth), [], []
+        for _ in range(300):
+            new = [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+            open_nodes = trie.extend(open_nodes, new)
+            tokens += new
+            for k, factor, min_prob in ((8, 1.0, 0.1), (3, 2.0, 0.0), (16, 0.5, 0.4)):
+                assert (trie.speculate(tokens, k, factor, min_prob, open_nodes=open_nodes)
+                        == trie.speculate(tokens, k, factor, min_prob))
 
 
 def test_bad_options():
