@@ -2,7 +2,8 @@
 
 Several verifiers may share a drafter, so sequence ids are scoped by the client id each
 verifier sends; the proposer sees internal ids. Proposers are not thread-safe: every call
-into one runs on a single worker thread, off the event loop so streams stay responsive.
+into one runs on a single worker thread, off the event loop so streams stay responsive
+(an index that answers in microseconds, answers_inline, runs on the event loop itself).
 State a verifier never releases (it died) goes after a TTL. With pipelined drafting (a
 PipelinedProposer), the worker drafts ahead after each reply, while the verifier verifies,
 until the next batch arrives (specd/proposers/pipeline.py). Whatever a caller sends, the
@@ -129,6 +130,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.keys = SequenceKeys()
         self.metrics = metrics
         self.worker = worker or compute_thread("proposer")
+        # A proposer that answers in microseconds (a suffix or n-gram index: no model) is called on
+        # the event loop: the two thread hand-offs to the worker and back cost more than its
+        # answer, and on a machine whose cores the verifier fills each hand-off waits for a core.
+        self.inline = getattr(proposer, "answers_inline", False)
         # Pipelined drafting: set when a batch arrives, so drafting ahead yields the worker to it.
         self.pipelined = hasattr(proposer, "predraft")
         self.batch_waiting = threading.Event()
@@ -144,7 +149,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Release(self, request, context):
         internal = self.keys.pop(request.client_id, request.seq_ids)
         if internal:
-            await asyncio.get_running_loop().run_in_executor(self.worker, self.proposer.release, internal)
+            await self._call(self.proposer.release, internal)
         return drafter_pb2.ReleaseResponse()
 
     async def Propose(self, request_iterator, context):
@@ -157,7 +162,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 released = self.keys.pop(batch.client_id, batch.release)
                 requests, answered, unknown = self._requests(batch, released)
                 self.batch_waiting.set()
-                proposals = await loop.run_in_executor(self.worker, self._propose, requests, released)
+                proposals = await self._call(self._propose, requests, released)
                 if self.pipelined:  # while the verifier verifies these drafts (never awaited)
                     loop.run_in_executor(self.worker, self._predraft)
                 by_entry = dict(zip(answered, proposals))
@@ -224,6 +229,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             return False
         return t if tuple(t.shape) == (rows, width) else False
 
+    async def _call(self, fn, *args):
+        """fn(*args) where the proposer runs: its worker thread, or here for an inline one."""
+        if self.inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
     def _propose(self, requests: list[ProposeRequest], released: list[int]):
         self.batch_waiting.clear()
         if released:
@@ -246,10 +257,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     async def expire_loop(self, period: float | None = None) -> None:
         """Release sequences no verifier touched for ttl seconds (their verifier went away)."""
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(period or max(1.0, self.ttl / 10))
             expired = self.keys.pop_expired(self.ttl)
             if expired:
                 log.info("releasing %d sequences idle for over %.0f s", len(expired), self.ttl)
-                await loop.run_in_executor(self.worker, self.proposer.release, expired)
+                await self._call(self.proposer.release, expired)

@@ -95,6 +95,8 @@ class _NgramIndex:
 
 @register("ngram")
 class NgramProposer:
+    answers_inline = True  # an index lookup in microseconds: a drafter service calls it on its event loop
+
     def __init__(self, num_speculative_tokens: int = 4, prompt_lookup_min: int | None = None,
                  prompt_lookup_max: int | None = None, ttl_seconds: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic, tree_branches: int = 1, tree_max_nodes: int = 32,

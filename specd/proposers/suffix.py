@@ -153,6 +153,8 @@ class _Request:
 
 @register("suffix")
 class SuffixProposer:
+    answers_inline = True  # an index lookup in microseconds: a drafter service calls it on its event loop
+
     def __init__(self, num_speculative_tokens: int = 4, suffix_decoding_max_tree_depth: int = 24,
                  suffix_decoding_max_cached_requests: int = 10000, suffix_decoding_max_spec_factor: float = 1.0,
                  suffix_decoding_min_token_prob: float = 0.1, ttl_seconds: float | None = 600.0,
