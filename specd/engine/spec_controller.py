@@ -14,6 +14,15 @@ Cost model (DESIGN §8), measured online:
                is accepted less often under sampling: one prior for both let a batch of
                sampled requests turn speculation off for the greedy ones after them); the
                sampled one is itself drawn towards the greedy one until it has history
+  positions    per drafter and kind, acceptance by position: c_j, the j-th draft accepted where
+               the j - 1 before it were, and l_j, a j-th token drafted where j - 1 were and k
+               allowed j (geometric α reads every token of a draft as equally likely accepted; a
+               suffix index's are not: past its first token a draft that copies a passage is
+               accepted ~0.8 per token against ~0.55 for the first, and the index stops drafting
+               where its match ends, so a large k costs it only the rows it drafts). Expected
+               accepted tokens of a draft capped at k: Σ_{i≤k} Π_{j≤i} l_j·c_j, scaled for a
+               sequence by how its own α compares with the drafter's; verify rows Σ_{i≤k} Π_{j≤i} l_j
+               (l_1 = 1: y below is the share with any drafts)
   pipelining   a pipelined drafter answers a share h of proposals from its draft cache: it
                drafted them while the previous step verified, so a hit costs the wait W
                (the round trip, plus whatever drafting ahead outlasted the verify: a hit's
@@ -21,7 +30,8 @@ Cost model (DESIGN §8), measured online:
   drafters  D, h, W and α are kept per drafter (α also per sequence and drafter), with y, the
                share of proposals that held drafts (a suffix index drafts only where the text
                repeats; a proposal without drafts costs its round trip and nothing else).
-Expected tokens from k drafts: E(k) = 1 + y·((1 − α^{k+1}) / (1 − α) − 1). The controller
+Expected tokens from k drafts: E(k) = 1 + y·(accepted by the positions above) (with no position
+measured yet: 1 + y·((1 − α^{k+1}) / (1 − α) − 1), geometric in α). The controller
 picks the k, and per sequence the drafter out of a set S of drafters drafting this step
 (every subset is tried), that maximise Σ E / (V(T0 + Σ y·k) + max over S of the drafter's
 (1 − h)·D(n)·k + h·W) (drafters of one step answer concurrently), each option's time scaled
@@ -78,6 +88,45 @@ class _Acceptance:
 
 
 @dataclass
+class _Positions:
+    """A drafter's drafts position by position (1-based j, index j - 1): accepted[j], the j-th
+    token accepted where the j - 1 before it were; drafted[j], a j-th token drafted where j - 1
+    were and k allowed j. With none measured: α for acceptance, every token drafted."""
+
+    accepted: list[_Acceptance] = field(default_factory=list)
+    drafted: list[_Acceptance] = field(default_factory=list)
+
+    @staticmethod
+    def _at(rows: list[_Acceptance], j: int) -> _Acceptance:
+        while len(rows) < j:
+            rows.append(_Acceptance())
+        return rows[j - 1]
+
+    def observe_accept(self, num_draft: int, num_accepted: int) -> None:
+        for j in range(1, min(num_accepted + 1, num_draft) + 1):
+            self._at(self.accepted, j).observe(float(j <= num_accepted), 1.0)
+
+    def observe_drafted(self, drafted: int, asked: int) -> None:
+        for j in range(2, min(drafted + 1, asked) + 1):
+            self._at(self.drafted, j).observe(float(j <= drafted), 1.0)
+
+    def curve(self, k: int, alpha: float) -> tuple[float, float]:
+        """(accepted tokens, tokens drafted) expected of a draft capped at k."""
+        accepted = rows = 0.0
+        p_drafted = p_accepted = 1.0
+        for j in range(1, k + 1):
+            # Past the deepest position measured, a draft goes on as it did there (a k never asked
+            # for is priced from the nearest one that was, and is tried and measured once it pays).
+            drafted = self.drafted[min(j, len(self.drafted)) - 1].alpha(1.0) if j > 1 and self.drafted else 1.0
+            accept = self.accepted[min(j, len(self.accepted)) - 1].alpha(alpha) if self.accepted else alpha
+            p_drafted *= drafted
+            p_accepted *= drafted * accept
+            rows += p_drafted
+            accepted += p_accepted
+        return accepted, rows
+
+
+@dataclass
 class _Drafter:
     """What the controller knows of one drafter: its cost, and its acceptance over all sequences,
     apart for greedy (key False) and sampled (key True) sequences."""
@@ -87,6 +136,7 @@ class _Drafter:
     hit_wait: float = 0.0  # seconds a propose call waits when its proposals were drafted ahead (EWMA)
     acceptance: dict[bool, _Acceptance] = field(default_factory=lambda: {False: _Acceptance(), True: _Acceptance()})
     made: _Acceptance = field(default_factory=_Acceptance)  # proposals with drafts / proposals
+    positions: dict[bool, _Positions] = field(default_factory=lambda: {False: _Positions(), True: _Positions()})
 
     one_forward: bool = False  # all k drafts from one forward (parallel drafting): a call costs one step
 
@@ -212,42 +262,42 @@ class SpecController:
         seconds expected)."""
         choice, tokens, verify_tokens = [], 0.0, float(base_tokens)
         load: dict[str | None, tuple[int, int]] = {}  # drafter -> (sequences, largest k)
-        drafting_seqs: list[tuple[int, float]] = []  # (k, share of proposals with drafts)
+        drafting_seqs: list[tuple[float, float]] = []  # (tokens drafted, share of proposals with drafts)
         for f, (sid, cap, _) in zip(fixed, seqs):
             ki = f if f is not None else min(k, cap)
             if ki <= 0:
                 choice.append((0, self.current.get(sid, subset[0])))
                 tokens += 1.0
                 continue
-            name, gain, made = self._best_drafter(sid, ki, subset)
+            name, gain, made, rows = self._best_drafter(sid, ki, subset)
             choice.append((ki, name))
             tokens += 1.0 + gain
-            verify_tokens += made * ki
-            drafting_seqs.append((ki, made))
+            verify_tokens += made * rows
+            drafting_seqs.append((rows, made))
             n, most = load.get(name, (0, 0))
             load[name] = (n + 1, max(most, ki))
         drafting = max((self.drafter(d).seconds(n, most) for d, (n, most) in load.items()), default=0.0)
         if len(drafting_seqs) == 1:
             # One sequence drafts: its forward has base + k tokens or base, not the mean between
             # (on a CPU those two can differ by a whole matmul tile, the mean by none).
-            ki, made = drafting_seqs[0]
-            verify = made * self.verify_cost(base_tokens + ki) + (1 - made) * self.verify_cost(base_tokens)
+            rows, made = drafting_seqs[0]
+            verify = made * self.verify_cost(base_tokens + rows) + (1 - made) * self.verify_cost(base_tokens)
         else:
             verify = self.verify_cost(verify_tokens)
         return choice, tokens, verify + drafting
 
-    def _best_drafter(self, sid: int, k: int, subset: list[str | None]) -> tuple[str | None, float, float]:
+    def _best_drafter(self, sid: int, k: int, subset: list[str | None]) -> tuple[str | None, float, float, float]:
         """The drafter of subset with the most expected accepted tokens for this sequence -> (name,
-        accepted, share with drafts); a drafter other than its current one counts its tokens
+        accepted, share with drafts, tokens a draft holds); a drafter other than its current one counts its tokens
         DRAFTER_MARGIN lower (also where the subset leaves the current one out)."""
         ranked = self._ranked(sid, k)
-        for score, name, made in ranked:
+        for score, name, made, rows in ranked:
             if name in subset or sid in self.pinned:
-                return name, score, made
+                return name, score, made, rows
         raise ValueError(f"no drafter of {subset} for sequence {sid}")
 
-    def _ranked(self, sid: int, k: int) -> list[tuple[float, str | None, float]]:
-        """(score, drafter, share with drafts) of every drafter this sequence may use, best first
+    def _ranked(self, sid: int, k: int) -> list[tuple[float, str | None, float, float]]:
+        """(score, drafter, share with drafts, tokens a draft holds) of every drafter this sequence may use, best first
         (on a tie, in the order of the plan's drafters), computed once per plan and k: plan()
         weighs every k and subset of drafters for every sequence, and rereading the estimates
         each time made a plan at batch 32 cost 2.2 ms, 1.35 ms with this (min of 7, 2-core EPYC)."""
@@ -257,8 +307,9 @@ class SpecController:
             ranked = []
             for name in [self.pinned[sid]] if sid in self.pinned else self._explore_names:
                 alpha, made = self.estimates(sid, name)
-                gain = made * (expected_tokens(alpha, k) - 1.0)
-                ranked.append((gain if current is None or name == current else gain / DRAFTER_MARGIN, name, made))
+                accepted, rows = self._curve(sid, name, alpha, k)
+                gain = made * accepted
+                ranked.append((gain if current is None or name == current else gain / DRAFTER_MARGIN, name, made, rows))
             ranked.sort(key=lambda r: -r[0])  # stable: ties keep the drafters' order
             self._ranked_by[sid, k] = ranked
         return ranked
@@ -267,16 +318,32 @@ class SpecController:
         """(acceptance per token, share of proposals with drafts) of this sequence with this drafter:
         its own history, drawn towards the drafter's over all sequences."""
         d = self.drafter(name)
-        greedy = d.acceptance[False].alpha(PRIOR_ALPHA)
-        # A sampled sequence's prior starts from what greedy ones accepted, not from PRIOR_ALPHA: a
-        # draft is accepted less often under sampling, and a sampled batch that started from 0.6
-        # speculated on 3,540 draft-model steps at batch 32 (0.60x of plain) before it learned.
-        alpha_prior = d.acceptance[True].alpha(greedy) if self.sampled.get(sid, False) else greedy
+        alpha_prior = self._alpha_prior(sid, d)
         made_prior = d.made.alpha(1.0)
         mine = self.per_seq.get(sid, {}).get(name)
         if mine is None:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
+
+    def _alpha_prior(self, sid: int, d: _Drafter) -> float:
+        """The drafter's α over all sequences of this one's kind. A sampled sequence's prior starts
+        from what greedy ones accepted, not from PRIOR_ALPHA: a draft is accepted less often under
+        sampling, and a sampled batch that started from 0.6 speculated on 3,540 draft-model steps
+        at batch 32 (0.60x of plain) before it learned."""
+        greedy = d.acceptance[False].alpha(PRIOR_ALPHA)
+        return d.acceptance[True].alpha(greedy) if self.sampled.get(sid, False) else greedy
+
+    def _curve(self, sid: int, name: str | None, alpha: float, k: int) -> tuple[float, float]:
+        """(accepted tokens, tokens drafted) expected of this sequence's draft capped at k: the
+        drafter's positions, the accepted ones scaled by how this sequence's α (alpha) compares
+        with the drafter's (with no position measured: exactly the geometric E(α, k) - 1)."""
+        d = self.drafter(name)
+        prior = self._alpha_prior(sid, d)
+        accepted, rows = d.positions[self.sampled.get(sid, False)].curve(k, prior)
+        geometric = expected_tokens(prior, k) - 1.0
+        if geometric > 1e-9:
+            accepted *= (expected_tokens(alpha, k) - 1.0) / geometric
+        return min(accepted, rows), rows
 
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
@@ -363,9 +430,13 @@ class SpecController:
         elif cached == 0.0:
             d.cost.observe(num_seqs, seconds / steps)
 
-    def observe_proposal(self, seq_id: int, name: str | None, made: bool) -> None:
-        """A sequence asked `name` for drafts and got some (made) or none."""
+    def observe_proposal(self, seq_id: int, name: str | None, made: bool, drafted: int | None = None,
+                         asked: int | None = None) -> None:
+        """A sequence asked `name` for drafts and got some (made) or none; drafted of asked tokens
+        (a chain's length, a tree's depth) where the caller knows them."""
         self.current[seq_id] = name
+        if made and drafted is not None and asked is not None:
+            self.drafter(name).positions[self.sampled.get(seq_id, False)].observe_drafted(drafted, asked)
         mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, _SeqDrafter())
         mine.tries += 1
         for acc in (mine.made, self.drafter(name).made):
@@ -376,8 +447,10 @@ class SpecController:
             return
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, _SeqDrafter())
-        for acc in (mine.acceptance, self.drafter(name).acceptance[self.sampled.get(seq_id, False)]):
+        sampled = self.sampled.get(seq_id, False)
+        for acc in (mine.acceptance, self.drafter(name).acceptance[sampled]):
             acc.observe(num_accepted, trials)
+        self.drafter(name).positions[sampled].observe_accept(num_draft, num_accepted)
 
     def note_sampling(self, seq_id: int, sampled: bool) -> None:
         """Whether this sequence samples (its acceptance counts towards the drafter's sampled prior)."""

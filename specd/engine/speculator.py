@@ -140,7 +140,8 @@ class Speculator:
             if p.resync or p.seq_id not in asked:
                 continue
             name = p.drafter or self.config.method
-            self.controller.observe_proposal(p.seq_id, name, bool(p.token_ids))
+            drafted = _depth(p.parents) if p.token_ids and p.parents else len(p.token_ids)
+            self.controller.observe_proposal(p.seq_id, name, bool(p.token_ids), drafted, asked[p.seq_id])
             by_drafter[name].append(p)
         for name, ps in by_drafter.items():
             one = self._one_forward(name)

@@ -448,3 +448,44 @@ def test_calibration_ignores_idle_gaps_and_batch_sizes_apart():
     c.close_cycle(5.012)
     assert c.calibration.get(1, "plain").n == 1 and c.calibration.get(8, "plain").n == 0
     assert 0.010 / 0.012 < c.calibration.scale(1, "plain") < 1.0  # slower than predicted, drawn to the prior
+
+
+def _copying_drafter(verify, drafts_of: int, max_k: int = 16) -> SpecController:
+    """A suffix-like drafter at batch 1: half its drafts miss at the first token; the other half
+    copy a passage the target repeats, every token of it accepted; it drafts drafts_of tokens
+    whatever k it is asked for. Measured at k = 4 only, as a controller capped there would."""
+    c = SpecController(max_k)
+    for t in range(1, 40):
+        c.observe_verify(t, verify(t))
+    c.observe_draft(1, 1, 0.0002, name="suffix")
+    for i in range(400):
+        drafted = min(4, drafts_of)
+        c.observe_proposal(7, "suffix", True, drafted, 4)
+        c.observe_accept(7, drafted, drafted if i % 2 else 0, "suffix")
+    c.grant_exploration(0.0)
+    return c
+
+
+def test_acceptance_by_position_prices_a_long_copy():
+    """Geometric α reads the copies above as 0.67 per token (a 17-token verify for 2 tokens more
+    than 5) and the misses cap k at 4; by position, a draft that got its first token right goes
+    on: k up to the cap pays where verify rows are cheap, and the sequence drafts its longest."""
+    verify = lambda t: 0.010 + 0.0004 * t  # noqa: E731 — a CPU at batch 1: a row costs 4% of a step
+    c = _copying_drafter(verify, drafts_of=16)
+    ((k, name),) = c.plan([(7, 16, None)], 1, ["suffix"])
+    assert name == "suffix" and k == 16
+    accepted, rows = c._curve(7, "suffix", c.estimates(7, "suffix")[0], 16)
+    assert abs(accepted - 0.5 * 16) < 0.8 and rows > 15  # half the drafts accepted whole, all 16 rows verified
+
+
+def test_a_drafter_that_drafts_few_tokens_is_priced_by_the_rows_it_drafts():
+    """Asked for 4, it drafts 2, each accepted: its step is a verify of 3 tokens, not 5 (where each
+    row costs half a step, as on a GPU-like step, pricing 5 rows made it look 1.5x dearer)."""
+    verify = lambda t: 0.010 + 0.005 * (t - 1)  # noqa: E731
+    c = _copying_drafter(verify, drafts_of=2, max_k=4)
+    for i in range(60):
+        c.observe_proposal(7, "suffix", True, 2, 4)
+        c.observe_accept(7, 2, 2, "suffix")
+    ((k, _),) = c.plan([(7, 4, None)], 1, ["suffix"])
+    assert k >= 2
+    assert abs(c._predicted - (verify(3) + 0.0002)) < 0.001  # 3 tokens' forward and the draft call
