@@ -33,7 +33,7 @@ Cost model (DESIGN §8), measured online:
 Expected tokens from k drafts: E(k) = 1 + y·(accepted by the positions above) (with no position
 measured yet: 1 + y·((1 − α^{k+1}) / (1 − α) − 1), geometric in α). The controller
 picks the k, and per sequence the drafter out of a set S of drafters drafting this step
-(every subset is tried), that maximise Σ E / (V(T0 + Σ y·k) + max over S of the drafter's
+(every subset is tried), that maximise Σ E / (V(T0 + Σ y·rows) + max over S of the drafter's
 (1 − h)·D(n)·k + h·W) (drafters of one step answer concurrently), each option's time scaled
 by what cycles of its mode really took over what was predicted (RealizedCalibration: the
 never-slower rule); k = 0 (speculation off)
@@ -110,11 +110,12 @@ class _Positions:
         for j in range(2, min(drafted + 1, asked) + 1):
             self._at(self.drafted, j).observe(float(j <= drafted), 1.0)
 
-    def curve(self, k: int, alpha: float) -> tuple[float, float]:
-        """(accepted tokens, tokens drafted) expected of a draft capped at k."""
+    def curve(self, max_k: int, alpha: float) -> list[tuple[float, float]]:
+        """(accepted tokens, tokens drafted) expected of a draft capped at k, for k = 0..max_k."""
+        out = [(0.0, 0.0)]
         accepted = rows = 0.0
         p_drafted = p_accepted = 1.0
-        for j in range(1, k + 1):
+        for j in range(1, max_k + 1):
             # Past the deepest position measured, a draft goes on as it did there (a k never asked
             # for is priced from the nearest one that was, and is tried and measured once it pays).
             drafted = self.drafted[min(j, len(self.drafted)) - 1].alpha(1.0) if j > 1 and self.drafted else 1.0
@@ -123,7 +124,8 @@ class _Positions:
             p_accepted *= drafted * accept
             rows += p_drafted
             accepted += p_accepted
-        return accepted, rows
+            out.append((accepted, rows))
+        return out
 
 
 @dataclass
@@ -161,6 +163,7 @@ class SpecController:
         self.verify_cost = VerifyCost()
         self.drafters: dict[str | None, _Drafter] = {}  # None: the one proposer of an engine
         self._ranked_by: dict[tuple[int, int], list] = {}  # this plan's drafters per (sequence, k): _ranked
+        self._curves: dict[tuple, list] = {}  # this plan's position curves per (drafter, kind): _curve
         self.per_seq: dict[int, dict[str | None, _SeqDrafter]] = {}
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last
         self.sampled: dict[int, bool] = {}  # sequences that sample (temperature > 0): note_sampling
@@ -203,7 +206,7 @@ class SpecController:
         names = list(drafters) if drafters else [None]
         self._explore_names = names
         self.pinned = pinned or {}
-        self._ranked_by = {}
+        self._ranked_by, self._curves = {}, {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             self.step_mode = "untimed"  # calibration learns nothing from steps the model did not choose
@@ -337,13 +340,18 @@ class SpecController:
         """(accepted tokens, tokens drafted) expected of this sequence's draft capped at k: the
         drafter's positions, the accepted ones scaled by how this sequence's α (alpha) compares
         with the drafter's (with no position measured: exactly the geometric E(α, k) - 1)."""
-        d = self.drafter(name)
-        prior = self._alpha_prior(sid, d)
-        accepted, rows = d.positions[self.sampled.get(sid, False)].curve(k, prior)
-        geometric = expected_tokens(prior, k) - 1.0
-        if geometric > 1e-9:
-            accepted *= (expected_tokens(alpha, k) - 1.0) / geometric
-        return min(accepted, rows), rows
+        sampled = self.sampled.get(sid, False)
+        curve = self._curves.get((name, sampled))
+        if curve is None or len(curve) <= k:  # once per plan: the same for every sequence of the kind
+            d = self.drafter(name)
+            prior = self._alpha_prior(sid, d)
+            curve = self._curves[name, sampled] = [
+                (accepted / geometric if (geometric := expected_tokens(prior, j) - 1.0) > 1e-9 else None, rows)
+                for j, (accepted, rows) in enumerate(d.positions[sampled].curve(max(k, self.max_k), prior))]
+        per_geometric, rows = curve[k]
+        if per_geometric is None:
+            return 0.0, rows
+        return min(per_geometric * (expected_tokens(alpha, k) - 1.0), rows), rows
 
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
