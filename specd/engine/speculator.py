@@ -68,10 +68,12 @@ class Speculator:
                                     base_tokens, self._drafter_names(), pinned)
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
-            log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s",
+            log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
+                      "predicted over realized time: plain %.2f, spec %.2f",
                       len(decoding), c.step_mode, plan[:4], first,
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
-                      {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()})
+                      {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
+                      c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"))
         requests, entries = [], []
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):
