@@ -467,9 +467,9 @@ def _copying_drafter(verify, drafts_of: int, max_k: int = 16) -> SpecController:
 
 
 def test_acceptance_by_position_prices_a_long_copy():
-    """Geometric α reads the copies above as 0.67 per token (a 17-token verify for 2 tokens more
-    than 5) and the misses cap k at 4; by position, a draft that got its first token right goes
-    on: k up to the cap pays where verify rows are cheap, and the sequence drafts its longest."""
+    """Geometric α reads the copies above as 0.81 per token, and its best k is then 8 (16 would add
+    0.6 tokens for 8 more rows); by position, a draft that got its first token right goes on, all of
+    it accepted: k up to the cap pays where verify rows are cheap, and the sequence drafts its longest."""
     verify = lambda t: 0.010 + 0.0004 * t  # noqa: E731 — a CPU at batch 1: a row costs 4% of a step
     c = _copying_drafter(verify, drafts_of=16)
     ((k, name),) = c.plan([(7, 16, None)], 1, ["suffix"])
