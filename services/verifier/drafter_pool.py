@@ -8,6 +8,12 @@ answers "resync" and gets the full history next step). A drafter that is slow, d
 talks nonsense costs drafts, never requests: its answers are bounded here, validated by the
 speculator, and a missed deadline simply means no drafts this step. Only trusted drafters'
 sparse q reach the speculator; everyone else's drafts are verified as one-hot (DESIGN §4).
+
+Local drafters: an index drafter (suffix, ngram) may also run inside the verifier process
+(--local-drafter). It is asked by the engine's speculator itself, before each plan, for every
+sequence (a lookup of tens of microseconds against a ~1.8 ms round trip to a service), never
+through this pool's streams; the pool only names it among the drafters a request may choose, lists
+it, and refuses to register or remove a service under its name.
 """
 from __future__ import annotations
 
@@ -45,11 +51,13 @@ class DrafterPool:
         self.registry = None  # a DrafterRegistry: runtime registrations outlive a restart
         self.client_id = uuid.uuid4().hex  # scopes our sequence ids at drafters shared by several verifiers
         self.drafters: dict[str, DrafterClient] = {}
+        self.local: dict[str, object] = {}  # in-process index drafters by name (module docstring)
         self.seq_drafter: dict[int, str] = {}  # where each sequence's drafter-side state lives
         self.seq_choice: dict[int, str] = {}  # a request's own drafter choice
         self.metrics = metrics
         if metrics is not None:
-            metrics.watch_drafters(lambda: self.drafters)
+            metrics.watch_drafters(lambda: {**dict.fromkeys(self.local, True),
+                                            **{n: c.healthy for n, c in list(self.drafters.items())}})
         self._background: set[asyncio.Task] = set()
         # This verifier's target, for hidden-state drafters (set once the engine has loaded it).
         self.target: FeatureTarget | None = None
@@ -62,6 +70,8 @@ class DrafterPool:
         persist: kept in the registry file, registered again when the verifier restarts."""
         if not name or not address:
             raise ValueError("a drafter needs a name and an address (host:port)")
+        if name in self.local:
+            raise KeyError(f"a drafter named {name!r} runs inside this verifier (--local-drafter); pick another name")
         if name in self.drafters:
             raise KeyError(f"a drafter named {name!r} is already registered (at {self.drafters[name].address})")
         client = self._client(name, address, trusted)
@@ -79,6 +89,18 @@ class DrafterPool:
         log.info("drafter %s registered: %s at %s (max k %d, %s)", name, client.info.method, address,
                  client.info.max_k, "trusted" if trusted else "untrusted: drafts verified as one-hot")
         return client
+
+    def add_local(self, name: str, proposer) -> None:
+        """An index drafter in this process (its proposer answers inline: answers_inline)."""
+        from specd.engine.speculator import offers_chains_inline
+
+        if not offers_chains_inline(proposer):
+            raise ValueError(f"local drafter {name!r}: only index drafters (suffix, ngram) drafting chains, not "
+                             "trees, run inside the verifier")
+        if name in self.local or name in self.drafters:
+            raise KeyError(f"a drafter named {name!r} is already registered")
+        self.local[name] = proposer
+        log.info("drafter %s runs inside the verifier", name)
 
     def _client(self, name: str, address: str, trusted: bool) -> DrafterClient:
         client = DrafterClient(name, address, self.client_id, self.timeout_s, self.vocab_size, self.vocab_hash,
@@ -121,6 +143,9 @@ class DrafterPool:
 
     async def remove(self, name: str, drain: bool = True) -> None:
         client = self.drafters.get(name)
+        if name in self.local:
+            raise PermissionError(f"drafter {name!r} runs inside the verifier (--local-drafter): it goes with a "
+                                  "restart without it")
         if client is None:
             raise LookupError(f"no drafter named {name!r}; registered: {', '.join(self.drafters) or 'none'}")
         if drain:
@@ -138,6 +163,13 @@ class DrafterPool:
 
     def status(self, stats_by_drafter=None) -> list[verifier_pb2.DrafterStatus]:
         out = []
+        for name, proposer in self.local.items():
+            s = (stats_by_drafter or {}).get(name)
+            out.append(verifier_pb2.DrafterStatus(
+                name=name, address="in-process", method=type(proposer).__name__.removesuffix("Proposer").lower(),
+                state="healthy", healthy=True, draft_tokens=s.draft_tokens if s else 0,
+                accepted_tokens=s.accepted_tokens if s else 0, acceptance_rate=s.acceptance_rate if s else 0.0,
+                trusted=True))
         for name, c in self.drafters.items():
             s = (stats_by_drafter or {}).get(name)
             info = c.info
@@ -162,8 +194,8 @@ class DrafterPool:
 
     # -- requests ----------------------------------------------------------------
     def check_choice(self, name: str | None) -> None:
-        if name and name not in self.drafters:
-            raise ValueError(f"unknown drafter {name!r}; registered: {', '.join(self.drafters) or 'none'}")
+        if name and name not in self.drafters and name not in self.local:
+            raise ValueError(f"unknown drafter {name!r}; registered: {', '.join([*self.local, *self.drafters]) or 'none'}")
 
     def assign(self, seq_id: int, name: str | None) -> None:
         if name:
@@ -195,7 +227,8 @@ class DrafterPool:
             log.debug("release at %s failed: %s", client.name, e)  # the drafter's TTL cleans up instead
 
     def healthy_names(self) -> list[str]:
-        return [c.name for c in list(self.drafters.values()) if c.healthy]  # kept in rank order
+        """Local drafters first (a tie goes to the one that costs nothing to ask), then services in rank order."""
+        return [*self.local, *(c.name for c in list(self.drafters.values()) if c.healthy)]
 
     def _route(self, seq_id: int, chosen: str | None = None) -> DrafterClient | None:
         """The request's own choice, else the controller's, else the one it drafted with, else the first."""
@@ -355,6 +388,11 @@ class PoolProposer:
 
     def release(self, seq_ids: list[int]) -> None:
         self.loop.call_soon_threadsafe(self.pool.release, list(seq_ids))
+
+    @property
+    def inline_drafters(self) -> dict:
+        """The pool's local drafters: the speculator asks them itself, on the engine thread."""
+        return self.pool.local
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

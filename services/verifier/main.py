@@ -16,6 +16,24 @@ def _drafter_arg(value: str) -> tuple[str, str]:
     return name, address
 
 
+def _local_drafter_arg(value: str) -> tuple[str, dict]:
+    """METHOD[:JSON options] of an index drafter -> (method, options)."""
+    import json
+
+    method, _, rest = value.partition(":")
+    if method not in ("suffix", "ngram"):
+        raise argparse.ArgumentTypeError(f"a local drafter is an index drafter, suffix or ngram (model drafters run "
+                                         f"as drafter services: --drafter), got {method!r}")
+    try:
+        options = json.loads(rest) if rest else {}
+    except json.JSONDecodeError:
+        options = None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"--local-drafter {method}: options after the colon are a JSON object "
+                                         f"(e.g. {method}:{{\"num_speculative_tokens\": 8}}), got {rest!r}")
+    return method, options
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specd.rpc import auth
     from specd.rpc.metrics_port import add_metrics_port_argument
@@ -30,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-drafter", action="append", default=[], type=_drafter_arg, metavar="NAME=ADDR",
                    help="like --drafter, and its sparse q is used (sampled drafts accepted more often); needs the "
                         "shared secret here and at the drafter, which must prove it holds it")
+    p.add_argument("--local-drafter", action="append", default=[], type=_local_drafter_arg, metavar="METHOD[:OPTIONS]",
+                   help="an index drafter (suffix or ngram, OPTIONS its JSON keys) inside this process, named by its "
+                        "method: asked every step before the plan, for tens of microseconds instead of a round trip")
     p.add_argument("--allow-drafter-address", action="append", default=None, metavar="HOST:PORT",
                    help="where RegisterDrafter may point (repeatable; globs per part, e.g. 'drafter-*:*'; '*': "
                         "anywhere). Default: loopback and the hosts of --drafter/--trusted-drafter")
@@ -114,6 +135,12 @@ def run(args) -> int:
     if spec is not None and spec.method is not None and startup:
         raise ValueError("--drafter and an in-process speculative method are exclusive; drop 'method' "
                          "from --speculative-config to use drafter services")
+    if args.local_drafter and (spec is None or spec.method is not None):
+        raise ValueError("--local-drafter joins the drafter pool: it needs speculation without an in-process "
+                         "'method' (drop --no-speculation, or 'method' from --speculative-config)")
+    methods = [m for m, _ in args.local_drafter]
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--local-drafter: each method once (a drafter is named by its method), got {methods}")
     from specd.verifier.async_engine import Admission
 
     Admission(args.max_queued_requests, args.max_queued_tokens)  # bad bounds fail before the model loads
@@ -125,6 +152,25 @@ def run(args) -> int:
     install_uvloop()
     asyncio.run(_serve(args, config, spec, metrics, security, startup))
     return 0
+
+
+# A local index drafts up to this many tokens unless its options say (or the verifier's k is larger):
+# its draft is made before the plan and costs only the rows verified where taken, and a suffix index's
+# 7-8-token drafts were accepted 0.70-0.86 per token on chat, code edits and summaries alike (12 prompts
+# each, SmolLM2-135M-Instruct, EPYC family 25); on the code edits max k 8 gave 1.83-1.96x of plain
+# in-process against 1.71x at 4.
+LOCAL_DRAFTER_K = 8
+
+
+def local_drafters(entries: list[tuple[str, dict]], spec):
+    """(method, proposer) of each --local-drafter."""
+    from specd.config import SpeculativeConfig
+    from specd.proposers.factory import make_proposer
+
+    for method, options in entries:
+        k = max(LOCAL_DRAFTER_K, spec.num_speculative_tokens)
+        config = SpeculativeConfig.parse({"num_speculative_tokens": k, **options, "method": method})
+        yield method, make_proposer(config, target_vocab_size=None)
 
 
 def allowed_addresses(patterns: list[str] | None, startup: list[tuple[str, str, bool]]) -> list[str]:
@@ -160,6 +206,8 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
                            args.propose_timeout_ms / 1e3, metrics, security,
                            allowed_addresses(args.allow_drafter_address, startup))
+        for method, proposer in local_drafters(args.local_drafter, spec):
+            pool.add_local(method, proposer)
     from specd.proposers.factory import in_process_proposer
 
     # Loading takes a while: off the loop, so the health service answers NOT_SERVING meanwhile.

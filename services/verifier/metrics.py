@@ -128,7 +128,7 @@ class VerifierMetrics:
         self.constrained_accepted.inc(spec.accepted_tokens)
 
     def watch_drafters(self, drafters) -> None:
-        """specd_verifier_drafter_healthy{drafter}, read at scrape time from drafters() (name -> client),
+        """specd_verifier_drafter_healthy{drafter}, read at scrape time from drafters() (name -> healthy),
         so it is right while the verifier idles; a removed drafter's series goes away."""
         self.registry.register(_DrafterHealth(drafters))
 
@@ -143,6 +143,6 @@ class _DrafterHealth:
     def collect(self):
         gauge = GaugeMetricFamily("specd_verifier_drafter_healthy", "1 when the drafter takes traffic",
                                   labels=["drafter"])
-        for name, client in list(self.drafters().items()):
-            gauge.add_metric([name], 1.0 if client.healthy else 0.0)
+        for name, healthy in self.drafters().items():
+            gauge.add_metric([name], 1.0 if healthy else 0.0)
         yield gauge

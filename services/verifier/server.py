@@ -131,6 +131,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             await pool.remove(request.name, drain=request.drain)
         except LookupError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except PermissionError as e:  # a local drafter: part of the verifier process
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return verifier_pb2.RemoveDrafterResponse()
 
     async def ListDrafters(self, request, context):

@@ -21,8 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--drafter", action="append", default=None, metavar="METHOD[:MODEL]",
                    help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
-                        "(OPTIONS: the drafter's --options JSON) "
-                        "(default: draft_model on the default target's trained drafter, and suffix)")
+                        "(OPTIONS: the drafter's --options JSON) as a drafter service "
+                        "(default, with neither this nor --local-drafter: draft_model on the default target's "
+                        "trained drafter, and suffix inside the verifier)")
+    p.add_argument("--local-drafter", action="append", default=None, metavar="METHOD[:OPTIONS]",
+                   help="an index drafter (suffix or ngram) inside each verifier process instead of a service: "
+                        "asked every step for tens of microseconds (repeatable)")
     p.add_argument("--no-speculation", action="store_true", help="no drafters, plain decoding")
     p.add_argument("--host", default="127.0.0.1", help="gateway host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
@@ -215,7 +219,14 @@ def run(args) -> int:
     from specd.models import model_store
     from specd.rpc.threads import default_threads
 
-    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (args.drafter or ["draft_model", "suffix"])]
+    defaults = args.drafter is None and args.local_drafter is None
+    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (["draft_model"] if defaults else args.drafter or [])]
+    local = [] if args.no_speculation else [parse_drafter(d) for d in (["suffix"] if defaults else args.local_drafter or [])]
+    if {m for m, _ in local} & {m for m, _ in drafters}:
+        raise ValueError("a method runs either as a service (--drafter) or inside the verifier (--local-drafter), "
+                         "not both: they would share a name")
+    if any(m == "draft_model" for m, _ in local):
+        raise ValueError("--local-drafter takes an index drafter (suffix or ngram); a draft model runs as a service: --drafter")
     threads = args.threads or default_threads(max(1, args.replicas))
     target = args.target or model_store.default_target()
     if any(m == "draft_model" and not model for m, model in drafters):
@@ -269,6 +280,9 @@ def run(args) -> int:
             names.append(name)
             if drafter_metrics[i]:
                 metrics_urls.append((f"drafter {name}", f"http://127.0.0.1:{drafter_metrics[i]}/metrics"))
+        for method, options in local:
+            drafter_flags += ["--local-drafter", f"{method}:{options}" if options else method]
+            names.append(method)
         replica_names = ["verifier"] if args.replicas == 1 else [f"verifier {i}" for i in range(args.replicas)]
         for i, (name, address) in enumerate(zip(replica_names, verifiers)):
             # Every replica registers the same drafters: they share them (a drafter keys its
@@ -306,7 +320,8 @@ def run(args) -> int:
         model_name = os.path.basename(target.rstrip("/"))
         replicas = f"{args.replicas} verifier replicas; " if args.replicas > 1 else ""
         print(f"specd is up: {url}  (OpenAI API; model {model_name}; {replicas}"
-              f"drafters: {', '.join(m for m, _ in drafters) or 'none'}). Ctrl-C stops it.", flush=True)
+              f"drafters: {', '.join([*(m for m, _ in drafters), *(f'{m} (in the verifier)' for m, _ in local)]) or 'none'}"
+              "). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)
         print(f"gRPC: every hop authenticated with the secret in {token_file} (`specd drafters` reads it"

@@ -34,6 +34,7 @@ class Drafts:
     # None: a chain (parents -1, 0, 1, ...).
     parents: list[int] | None = None
     cached: bool = False  # pipelined drafting: drafted ahead (a draft-cache hit)
+    offered: int = 0  # drafted before the plan (an in-process index): the length offered, before the cut at k
 
 
 @dataclass

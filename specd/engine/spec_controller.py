@@ -110,6 +110,17 @@ class _Positions:
         for j in range(2, min(drafted + 1, asked) + 1):
             self._at(self.drafted, j).observe(float(j <= drafted), 1.0)
 
+    def chain(self, n: int, alpha: float, under: "_Positions") -> list[float]:
+        """Accepted tokens expected of a known n-token draft cut at k, for k = 0..n: the positions
+        measured here, past them the drafter's over all lengths (under), past those alpha."""
+        out, accepted, p_accepted = [0.0], 0.0, 1.0
+        for j in range(1, n + 1):
+            prior = under.accepted[min(j, len(under.accepted)) - 1].alpha(alpha) if under.accepted else alpha
+            p_accepted *= self.accepted[j - 1].alpha(prior) if j <= len(self.accepted) else prior
+            accepted += p_accepted
+            out.append(accepted)
+        return out
+
     def curve(self, max_k: int, alpha: float) -> list[tuple[float, float]]:
         """(accepted tokens, tokens drafted) expected of a draft capped at k, for k = 0..max_k."""
         out = [(0.0, 0.0)]
@@ -139,6 +150,10 @@ class _Drafter:
     acceptance: dict[bool, _Acceptance] = field(default_factory=lambda: {False: _Acceptance(), True: _Acceptance()})
     made: _Acceptance = field(default_factory=_Acceptance)  # proposals with drafts / proposals
     positions: dict[bool, _Positions] = field(default_factory=lambda: {False: _Positions(), True: _Positions()})
+    # Drafts offered before the plan (an in-process index asked every step): positions by the
+    # length offered, per kind. A suffix index's 1-token drafts (a 1-token match) were accepted
+    # 0.19 per token on chat, its 8-token ones 0.74 (12 chat prompts, k 8, EPYC family 25).
+    by_length: dict[bool, dict[int, _Positions]] = field(default_factory=lambda: {False: {}, True: {}})
 
     one_forward: bool = False  # all k drafts from one forward (parallel drafting): a call costs one step
 
@@ -173,6 +188,7 @@ class SpecController:
         self._explore_names: list[str | None] = [None]  # the drafters of the last plan
         self.explore_seq: int | None = None  # the sequence that explores while it runs
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
+        self.offered: dict[int, dict[str | None, int]] = {}  # this step's drafts made before the plan: lengths
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
@@ -195,17 +211,22 @@ class SpecController:
 
     def plan(self, seqs: list[tuple[int, int, int | None]], base_tokens: int,
              drafters: list[str | None] | None = None,
-             pinned: dict[int, str] | None = None) -> list[tuple[int, str | None]]:
+             pinned: dict[int, str] | None = None,
+             offered: dict[int, dict[str | None, int]] | None = None) -> list[tuple[int, str | None]]:
         """seqs: (seq_id, cap, override) per decoding sequence → (k, drafter) per sequence.
 
         cap bounds k by max_tokens / max_model_len / KV room; override is the request's
         own num_speculative_tokens (None: ours to choose; 0: off). drafters: those that may
         draft this step, in the order to prefer on a tie (None: the engine's one proposer);
-        pinned: sequences whose request named its drafter.
+        pinned: sequences whose request named its drafter; offered: drafts already made before the
+        plan, by sequence, the length each in-process index drafter offered (0: none). Such a
+        drafter's draft costs nothing more, its rows are known, and its acceptance is read by the
+        length offered (a k below it verifies the draft's first k tokens).
         """
         names = list(drafters) if drafters else [None]
         self._explore_names = names
         self.pinned = pinned or {}
+        self.offered = offered or {}
         self._ranked_by, self._curves = {}, {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
@@ -265,51 +286,81 @@ class SpecController:
         seconds expected)."""
         choice, tokens, verify_tokens = [], 0.0, float(base_tokens)
         load: dict[str | None, tuple[int, int]] = {}  # drafter -> (sequences, largest k)
-        drafting_seqs: list[tuple[float, float]] = []  # (tokens drafted, share of proposals with drafts)
-        for f, (sid, cap, _) in zip(fixed, seqs):
+        drafting_seqs: dict[int, tuple[float, float]] = {}  # by index: (tokens drafted, share of proposals with drafts)
+        offers: list[tuple[int, float]] = []  # (index, accepted tokens expected) of drafts made before the plan
+        for i, (f, (sid, cap, _)) in enumerate(zip(fixed, seqs)):
             ki = f if f is not None else min(k, cap)
             if ki <= 0:
                 choice.append((0, self.current.get(sid, subset[0])))
                 tokens += 1.0
                 continue
-            name, gain, made, rows = self._best_drafter(sid, ki, subset)
+            # A draft made before the plan is taken whole (up to the cap) wherever the step drafts: the
+            # step's k is one for all, and cutting a long copy to a model drafter's k lost its tail.
+            whole = ki if f is not None else cap
+            name, gain, made, rows = self._best_drafter(sid, ki, subset, whole)
+            if name in self.offered.get(sid, {}):  # drafted already: nothing to wait for, an empty draft is plain
+                if not made:
+                    choice.append((0, self.current.get(sid, subset[0])))
+                    tokens += 1.0
+                    continue
+                ki = int(rows)  # all it offered, up to the cap
+                if f is None:
+                    offers.append((i, gain))
+            else:
+                n, most = load.get(name, (0, 0))
+                load[name] = (n + 1, max(most, ki))
             choice.append((ki, name))
             tokens += 1.0 + gain
             verify_tokens += made * rows
-            drafting_seqs.append((rows, made))
-            n, most = load.get(name, (0, 0))
-            load[name] = (n + 1, max(most, ki))
+            drafting_seqs[i] = (rows, made)
         drafting = max((self.drafter(d).seconds(n, most) for d, (n, most) in load.items()), default=0.0)
+        # A draft made before the plan is verified only where its tokens pay for its rows at the
+        # step's rate: the plan's k is one for the whole step, and without this a one-token guess
+        # rarely right would ride along with another sequence's long copy.
+        for i, gain in offers:
+            rows = drafting_seqs[i][0]
+            step_s = self.verify_cost(verify_tokens) + drafting
+            if gain * step_s < tokens * (self.verify_cost(verify_tokens) - self.verify_cost(verify_tokens - rows)):
+                choice[i] = (0, self.current.get(seqs[i][0], subset[0]))
+                tokens, verify_tokens = tokens - gain, verify_tokens - rows
+                del drafting_seqs[i]
         if len(drafting_seqs) == 1:
             # One sequence drafts: its forward has base + k tokens or base, not the mean between
             # (on a CPU those two can differ by a whole matmul tile, the mean by none).
-            rows, made = drafting_seqs[0]
+            ((rows, made),) = drafting_seqs.values()
             verify = made * self.verify_cost(base_tokens + rows) + (1 - made) * self.verify_cost(base_tokens)
         else:
             verify = self.verify_cost(verify_tokens)
         return choice, tokens, verify + drafting
 
-    def _best_drafter(self, sid: int, k: int, subset: list[str | None]) -> tuple[str | None, float, float, float]:
+    def _best_drafter(self, sid: int, k: int, subset: list[str | None],
+                      whole: int | None = None) -> tuple[str | None, float, float, float]:
         """The drafter of subset with the most expected accepted tokens for this sequence -> (name,
         accepted, share with drafts, tokens a draft holds); a drafter other than its current one counts its tokens
-        DRAFTER_MARGIN lower (also where the subset leaves the current one out)."""
-        ranked = self._ranked(sid, k)
+        DRAFTER_MARGIN lower (also where the subset leaves the current one out). whole: where a
+        draft made before the plan is cut (default k)."""
+        ranked = self._ranked(sid, k, k if whole is None else whole)
         for score, name, made, rows in ranked:
             if name in subset or sid in self.pinned:
                 return name, score, made, rows
         raise ValueError(f"no drafter of {subset} for sequence {sid}")
 
-    def _ranked(self, sid: int, k: int) -> list[tuple[float, str | None, float, float]]:
+    def _ranked(self, sid: int, k: int, whole: int) -> list[tuple[float, str | None, float, float]]:
         """(score, drafter, share with drafts, tokens a draft holds) of every drafter this sequence may use, best first
         (on a tie, in the order of the plan's drafters), computed once per plan and k: plan()
         weighs every k and subset of drafters for every sequence, and rereading the estimates
         each time made a plan at batch 32 cost 2.2 ms, 1.35 ms with this (min of 7, 2-core EPYC)."""
         ranked = self._ranked_by.get((sid, k))
         if ranked is None:
-            current = self.current.get(sid)
+            current, offered = self.current.get(sid), self.offered.get(sid, {})
             ranked = []
             for name in [self.pinned[sid]] if sid in self.pinned else self._explore_names:
                 alpha, made = self.estimates(sid, name)
+                if name in offered:  # its draft is made: known rows, and it holds the history already
+                    made = float(offered[name] > 0)
+                    accepted, rows = self._offered_curve(sid, name, alpha, whole, offered[name])
+                    ranked.append((made * accepted, name, made, rows))
+                    continue
                 accepted, rows = self._curve(sid, name, alpha, k)
                 gain = made * accepted
                 ranked.append((gain if current is None or name == current else gain / DRAFTER_MARGIN, name, made, rows))
@@ -353,6 +404,24 @@ class SpecController:
             return 0.0, rows
         return min(per_geometric * (expected_tokens(alpha, k) - 1.0), rows), rows
 
+    def _offered_curve(self, sid: int, name: str | None, alpha: float, k: int, length: int) -> tuple[float, float]:
+        """(accepted tokens, tokens drafted) expected of a draft of `length` tokens already offered,
+        cut at k: the drafter's positions for drafts of that length, scaled as _curve does."""
+        cut = min(k, length)
+        if cut <= 0:
+            return 0.0, 0.0
+        sampled = self.sampled.get(sid, False)
+        chain = self._curves.get((name, sampled, length))
+        if chain is None:
+            d = self.drafter(name)
+            prior = self._alpha_prior(sid, d)
+            positions = d.by_length[sampled].get(length) or _Positions()
+            chain = self._curves[name, sampled, length] = [
+                (accepted / geometric if (geometric := expected_tokens(prior, j) - 1.0) > 1e-9 else None)
+                for j, accepted in enumerate(positions.chain(length, prior, d.positions[sampled]))]
+        per_geometric = chain[cut]
+        return min(per_geometric * (expected_tokens(alpha, cut) - 1.0), float(cut)), float(cut)
+
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
         would pay best were the drafter as good as the prior (on a CPU, a k that fills a matmul
@@ -371,8 +440,9 @@ class SpecController:
         tried = self.per_seq.get(sid, {})
         tokens = base_tokens + sum(c[0] for c in choice)
 
-        cap = min(self.max_k, seqs[i][1])
-        options = {n: self._explore_option(n, tokens, cap) for n in ([self.pinned[sid]] if sid in self.pinned else names)}
+        cap, offered = min(self.max_k, seqs[i][1]), self.offered.get(sid, {})
+        options = {n: self._explore_option(n, tokens, cap, offered.get(n))
+                   for n in ([self.pinned[sid]] if sid in self.pinned else names) if offered.get(n, 1) > 0}
         affordable = [n for n, (cost, k) in options.items() if self.explore_credit[n] >= cost and k > rate * cost]
         if affordable:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
@@ -384,9 +454,13 @@ class SpecController:
             return True
         return False
 
-    def _explore_option(self, name: str | None, tokens: int, cap: int) -> tuple[float, int]:
+    def _explore_option(self, name: str | None, tokens: int, cap: int, offered: int | None = None) -> tuple[float, int]:
         """(seconds a try adds to the step, its k) with this drafter: the k of the best step rate
-        were its acceptance the prior's."""
+        were its acceptance the prior's (a draft offered already: all of it, its rows the only cost)."""
+        if offered is not None:
+            k = min(cap, offered)
+            return self.verify_cost(tokens + k) - self.verify_cost(tokens), k
+
         def step_s(k: int) -> float:
             return self.drafter(name).seconds(1, k) + self.verify_cost(tokens + k)
 
@@ -450,7 +524,10 @@ class SpecController:
         for acc in (mine.made, self.drafter(name).made):
             acc.observe(float(made), 1.0)
 
-    def observe_accept(self, seq_id: int, num_draft: int, num_accepted: int, name: str | None = None) -> None:
+    def observe_accept(self, seq_id: int, num_draft: int, num_accepted: int, name: str | None = None,
+                       offered: int = 0) -> None:
+        """num_draft tokens verified, num_accepted of them accepted; offered: the length of the
+        draft they were cut from, where it was offered before the plan."""
         if num_draft == 0:
             return
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
@@ -459,6 +536,8 @@ class SpecController:
         for acc in (mine.acceptance, self.drafter(name).acceptance[sampled]):
             acc.observe(num_accepted, trials)
         self.drafter(name).positions[sampled].observe_accept(num_draft, num_accepted)
+        if offered:
+            self.drafter(name).by_length[sampled].setdefault(offered, _Positions()).observe_accept(num_draft, num_accepted)
 
     def note_sampling(self, seq_id: int, sampled: bool) -> None:
         """Whether this sequence samples (its acceptance counts towards the drafter's sampled prior)."""

@@ -1,7 +1,10 @@
 """The speculative part of an engine step: drafts before the forward, counters after.
 
-propose: the controller picks k per decoding sequence, the proposer (the same objects
-  the drafter service hosts) drafts, and the validated drafts go back to the engine as
+propose: in-process index drafters (suffix, ngram: a lookup of microseconds, answers_inline)
+  are asked first, every step, for every decoding sequence at its full k; the controller then
+  picks k and the drafter per sequence knowing what they offered, the other proposers (the
+  same objects the drafter service hosts, or a verifier's pool of drafter services) draft
+  for the sequences it sent to them, and the validated drafts go back to the engine as
   Drafts per sequence; the scheduler attaches them to the batch ([last token, d1 .. dk],
   all with logits). Verification is the sampler's (specd.engine.sampler).
 observe: acceptance per sequence feeds the controller and the per-drafter counters.
@@ -13,6 +16,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 from specd.config import DEFAULT_TREE_NODES, SpeculativeConfig
 from specd.engine.proposal import ProposeRequest
@@ -38,6 +42,10 @@ class Speculator:
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
+        # In-process index drafters asked before each plan, and how much of each sequence's
+        # history each has been sent (its own count: the chosen drafter's is seq.spec_sent).
+        self._inline_sent: dict[tuple[str | None, int], int] = {}
+        self.offer_seconds = 0.0  # the last step's asking of the inline drafters
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -58,14 +66,20 @@ class Speculator:
         decoding = [e for e in batch if e.num_new_tokens == 1 and e.num_logits == 1]
         if not decoding:
             return {}
-        caps = [self._cap(e.seq, budget_left) for e in decoding]
+        # An in-process index may draft past the config's k (its own num_speculative_tokens): its draft
+        # is made before the plan, and costs only the rows verified where it is taken.
+        limit = max([self.config.num_speculative_tokens, *(getattr(p, "k", 0) for p in self.inline.values())])
+        caps = [self._cap(e.seq, budget_left, limit) for e in decoding]
         for e in decoding:
             if e.seq.seq_id not in self.controller.sampled:
                 self.controller.note_sampling(e.seq.seq_id, e.seq.params.temperature > 0)
         base_tokens = sum(e.num_new_tokens for e in batch)
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
+        names = self._drafter_names()
+        offers = self._offers(decoding, caps, pinned, names)
         plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
-                                    base_tokens, self._drafter_names(), pinned)
+                                    base_tokens, names, pinned,
+                                    {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()})
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
@@ -74,12 +88,18 @@ class Speculator:
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
                       {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
                       c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"))
-        requests, entries = [], []
+        requests, entries, out = [], [], {}
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):
             if k <= 0:
                 continue
             seq = e.seq
+            if drafter in self.inline:  # drafted already
+                drafts = offers.get(seq.seq_id, {}).get(drafter, [])
+                self.controller.observe_proposal(seq.seq_id, drafter, bool(drafts))
+                if drafts:
+                    out[seq.seq_id] = Drafts(drafts[:k], None, drafter, offered=len(drafts))
+                continue
             # A drafter new to this sequence reads its whole history first.
             full = seq.spec_sent == 0 or drafter != self.controller.current.get(seq.seq_id, drafter)
             length = len(seq)
@@ -100,12 +120,11 @@ class Speculator:
             entries.append(e)
             seq.spec_sent, seq.spec_features_from = length, None
         if not requests:
-            return {}
+            return out
         t0 = time.perf_counter()
         proposals = self.proposer.propose(requests)
         self._observe_proposals(requests, proposals, time.perf_counter() - t0)
         by_id = {p.seq_id: p for p in proposals}
-        out = {}
         for e, req in zip(entries, requests):
             p = by_id.get(e.seq.seq_id)
             if p is None or p.resync:
@@ -118,6 +137,47 @@ class Speculator:
             if drafts:
                 out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents, p.cached)
         return out
+
+    def _offers(self, decoding: list[ScheduledSeq], caps: list[int], pinned: dict[int, str],
+                names: list[str | None]) -> dict[int, dict[str | None, list[int]]]:
+        """Every in-process index drafter's draft for every decoding sequence that may draft, at its
+        cap: {seq_id: {drafter: validated drafts}} (a lookup costs microseconds, so whether a
+        sequence has a draft, and how long, is known before the plan)."""
+        out: dict[int, dict[str | None, list[int]]] = {}
+        t0 = time.perf_counter()
+        for name, proposer in self.inline.items():
+            if name not in names:
+                continue
+            requests, asked = [], {}
+            for e, cap in zip(decoding, caps):
+                seq, sid = e.seq, e.seq.seq_id
+                if cap <= 0 or self._fixed_k(seq) == 0 or pinned.get(sid, name) != name:
+                    continue
+                sent, length = self._inline_sent.get((name, sid), 0), len(seq)
+                requests.append(ProposeRequest(
+                    seq_id=sid, new_tokens=seq.token_slice(sent, length), num_tokens=length, k=cap,
+                    full_history=sent == 0, num_prompt_tokens=len(seq.prompt_token_ids),
+                    temperature=seq.params.temperature, seed=seq.params.seed, drafter=name))
+                self._inline_sent[name, sid] = length
+                asked[sid] = cap
+            for p in proposer.propose(requests) if requests else []:
+                if p.seq_id not in asked:
+                    continue
+                if p.resync:
+                    self._inline_sent.pop((name, p.seq_id), None)  # the whole history next step
+                    continue
+                drafts, _, _ = self._validated(replace(p, q_ids=None, q_probs=None), asked[p.seq_id])
+                out.setdefault(p.seq_id, {})[name] = drafts
+        self.offer_seconds = time.perf_counter() - t0
+        return out
+
+    @property
+    def inline(self) -> dict:
+        """The in-process index drafters by name: a pool's local ones, else the one proposer if it is one."""
+        local = getattr(self.proposer, "inline_drafters", None)
+        if local is not None:
+            return local
+        return {self.config.method: self.proposer} if offers_chains_inline(self.proposer) else {}
 
     def _drafter_names(self) -> list[str | None]:
         """The drafters the controller chooses among: a pool's healthy ones, else the one proposer."""
@@ -169,11 +229,11 @@ class Speculator:
             return seq.params.num_speculative_tokens
         return self.config.num_speculative_tokens if seq.params.seed is not None else None
 
-    def _cap(self, seq: Sequence, budget_left: int) -> int:
+    def _cap(self, seq: Sequence, budget_left: int, limit: int) -> int:
         # Never draft past max_tokens or max_model_len: k drafts can commit k + 1 tokens.
         room_tokens = seq.params.max_tokens - len(seq.output_token_ids) - 1
         room_context = self.max_model_len - len(seq) - 1
-        cap = min(self.config.num_speculative_tokens, room_tokens, room_context)
+        cap = min(limit, room_tokens, room_context)
         # A seeded request's k must not depend on the batch (it decides how much of the
         # request's randomness each step consumes), so the shared token budget skips it.
         if seq.params.seed is None:
@@ -224,7 +284,7 @@ class Speculator:
             n = len(e.draft_token_ids)
             # The controller models a chain of k: a tree counts as a chain of its depth.
             self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
-                                           n_acc, e.drafts.drafter if n else None)
+                                           n_acc, e.drafts.drafter if n else None, e.drafts.offered if n else 0)
             cached = bool(n and e.drafts.cached)
             drafter = (e.drafts.drafter or self.config.method or "unknown") if n else None
             e.seq.spec_stats.observe_draft(n, n_acc, cached, drafter)
@@ -240,8 +300,18 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)
+        for name, proposer in self.inline.items():
+            if self._inline_sent.pop((name, seq.seq_id), None) is not None:
+                proposer.release([seq.seq_id])
         if seq.spec_sent:
             self.proposer.release([seq.seq_id])
+
+
+def offers_chains_inline(proposer) -> bool:
+    """Whether a proposer can be asked before each plan: an index that answers in microseconds
+    (answers_inline) and drafts chains (an n-gram index set to draft trees does not: the plan prices
+    an offered draft by its length)."""
+    return getattr(proposer, "answers_inline", False) and getattr(proposer, "tree_branches", 1) <= 1
 
 
 def _depth(parents: list[int]) -> int:

@@ -489,3 +489,60 @@ def test_a_drafter_that_drafts_few_tokens_is_priced_by_the_rows_it_drafts():
     ((k, _),) = c.plan([(7, 4, None)], 1, ["suffix"])
     assert k >= 2
     assert abs(c._predicted - (verify(3) + 0.0002)) < 0.001  # 3 tokens' forward and the draft call
+
+
+def _offering_drafter(verify, outcomes: dict[int, float], rounds: int = 200) -> SpecController:
+    """A controller that has verified drafts an in-process index offered before each plan:
+    outcomes {length offered: share of each draft accepted whole (else none of it)}."""
+    c = SpecController(8)
+    for t in range(1, 30):
+        for _ in range(3):
+            c.observe_verify(t, verify(t))
+    rng = random.Random(5)
+    for _ in range(rounds):
+        for length, p in outcomes.items():
+            c.observe_proposal(9, "suffix", True)
+            c.observe_accept(9, length, length if rng.random() < p else 0, "suffix", offered=length)
+    c.grant_exploration(0.0)
+    return c
+
+
+def test_offered_drafts_are_read_by_their_length():
+    """A suffix index's one-token drafts (a one-token match) are rarely right, its long ones mostly:
+    with the drafts known before the plan, the long one is verified whole and the short one not at all,
+    where one α over both would price them alike."""
+    verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a CPU at batch 1: a row costs 10% of a step
+    c = _offering_drafter(verify, {1: 0.1, 8: 0.8})
+    plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 8}, 2: {"suffix": 1}})
+    assert plan[0] == (8, "suffix") and plan[1][0] == 0
+    accepted, rows = c._offered_curve(1, "suffix", c.estimates(1, "suffix")[0], 8, 8)
+    assert rows == 8 and 0.8 * 8 - 1.0 < accepted < 0.8 * 8 + 1.0
+    short, _ = c._offered_curve(2, "suffix", c.estimates(2, "suffix")[0], 8, 1)
+    assert short < 0.3  # 0.1 measured, drawn a little towards the drafter over all lengths
+
+
+def test_an_offered_empty_draft_is_plain_decoding_and_costs_nothing():
+    """No match, no draft: the sequence decodes plain (no k asked of anyone), and where another
+    sequence drafts, the step is priced by that one's rows only, with no draft call to wait for."""
+    verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731
+    c = _offering_drafter(verify, {4: 0.9})
+    c.observe_draft(4, 1, 0.005, name="suffix")  # a dear call the drafts made before the plan do not pay
+    plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 0}, 2: {"suffix": 4}})
+    assert plan[0][0] == 0 and plan[1] == (4, "suffix")
+    assert c.step_mode == "spec" and abs(c._predicted - verify(2 + 4)) < 1e-9
+    assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 0}})[0][0] == 0
+    assert c.step_mode == "plain"
+
+
+def test_an_offered_drafter_beside_a_service_is_chosen_per_sequence():
+    """The draft model drafts for the sequence the index has nothing for; the index's long draft
+    goes to the other one, free of the margin a drafter switch pays (it holds the history already)."""
+    verify = lambda t: 0.010 + 0.0005 * (t - 1)  # noqa: E731
+    c = _offering_drafter(verify, {6: 0.9})
+    for _ in range(30):
+        c.observe_draft(4, 2, 4 * 0.0003, name="model")
+        for sid in (1, 2):
+            c.observe_proposal(sid, "model", True)
+            c.observe_accept(sid, 4, 2, "model")
+    plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix", "model"], offered={1: {"suffix": 6}, 2: {"suffix": 0}})
+    assert plan[0][1] == "suffix" and plan[0][0] >= 6 and plan[1][1] == "model" and plan[1][0] > 0

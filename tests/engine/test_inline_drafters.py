@@ -1,0 +1,49 @@
+"""An in-process index drafter (suffix) is asked before every plan, for every decoding sequence
+at its cap, with only the tokens committed since it last saw each one; the controller plans knowing
+what it offered; greedy output is plain decoding's; a finished sequence leaves the index (its answer
+goes to the global cache)."""
+from __future__ import annotations
+
+from specd import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def test_an_index_drafter_is_asked_before_each_plan(model_dirs, get_llm, make_prompts):
+    target = model_dirs["llama3"]
+    prompts = [p * 3 for p in make_prompts(6, seed=11, max_len=12)]  # repeats: the index has matches
+    plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
+    llm = get_llm(target, fresh=True, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    speculator = llm.engine.speculator
+    proposer, controller = speculator.proposer, speculator.controller
+    assert speculator.inline == {"suffix": proposer}
+    events, known = [], {}  # ("propose", requests) and ("plan", seqs, offered) in call order
+
+    def propose(requests, _propose=proposer.propose):
+        events.append(("propose", requests))
+        for r in requests:  # a delta extends exactly what the index holds: never a resync after the first
+            assert r.full_history == (r.seq_id not in known) and known.get(r.seq_id, 0) + len(r.new_tokens) == r.num_tokens
+            known[r.seq_id] = r.num_tokens
+        return _propose(requests)
+
+    def plan(seqs, base_tokens, drafters=None, pinned=None, offered=None, _plan=controller.plan):
+        events.append(("plan", seqs, offered))
+        return _plan(seqs, base_tokens, drafters, pinned, offered)
+
+    proposer.propose, controller.plan = propose, plan
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    plans = [i for i, e in enumerate(events) if e[0] == "plan"]
+    assert len(plans) > 10
+    for i in plans:
+        _, seqs, offered = events[i]
+        wanted = {sid for sid, cap, fixed in seqs if cap > 0}
+        if not wanted:
+            continue
+        kind, requests = events[i - 1]  # the index answered just before this plan, for all of them
+        assert kind == "propose" and {r.seq_id for r in requests} == wanted
+        assert {r.seq_id: r.k for r in requests} == {sid: cap for sid, cap, _ in seqs if cap > 0}
+        assert set(offered) <= wanted and all(set(by) == {"suffix"} for by in offered.values())
+    assert sum(o.spec["accepted_tokens"] for o in outs) > 0  # drafts offered and taken
+    assert proposer.histories.tokens == {} and proposer.requests == {}  # every sequence released
+    assert len(proposer.cached) == len(prompts)  # their answers in the global cache
