@@ -294,7 +294,7 @@ def main() -> None:
     port = free_port()
     # The one departure from the defaults: the suffix index keeps no answers of finished requests,
     # or the interleaved runs (the same prompts, greedy: the same answers) would draft each other.
-    up = Server([sys.executable, "-m", "specd.cli", "up", "--drafter", "draft_model", "--drafter",
+    up = Server([sys.executable, "-m", "specd.cli", "up", "--drafter", "draft_model", "--local-drafter",
                  'suffix:{"suffix_decoding_max_cached_requests": 0}', "--threads", str(args.threads), "--port", str(port),
                  "--verifier-port", str(free_port()), "--drafter-port", str(free_port()), "--metrics-port", "0"],
                 f"http://127.0.0.1:{port}/health")
