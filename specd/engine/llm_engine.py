@@ -255,7 +255,11 @@ class LLMEngine:
         num_tokens = sum(e.num_new_tokens for e in batch)
         if spec is not None:
             spec.observe(batch, out.num_accepted)
-            spec.controller.observe_verify(num_tokens, t2 - t1)
+            # The verify cost model prices decode and verify steps: a prefill chunk's tokens cost far less
+            # each (one long sequence), and fitted in, they flattened the line past the table: at batch 32
+            # a draft row was priced at a fraction of what it costs, and the suffix index's drafts taken.
+            if all(e.num_logits == e.num_new_tokens for e in batch):
+                spec.controller.observe_verify(num_tokens, t2 - t1)
         self.timings.observe(t1 - t0, t2 - t1, num_tokens)
         finished = self.scheduler.postprocess(batch, out.token_ids, StepLogprobs(batch, logits), self.runner.features,
                                               self.runner.capture_layers, out.paths, self.runner.copy_kv)

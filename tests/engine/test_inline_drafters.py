@@ -47,3 +47,21 @@ def test_an_index_drafter_is_asked_before_each_plan(model_dirs, get_llm, make_pr
     assert sum(o.spec["accepted_tokens"] for o in outs) > 0  # drafts offered and taken
     assert proposer.histories.tokens == {} and proposer.requests == {}  # every sequence released
     assert len(proposer.cached) == len(prompts)  # their answers in the global cache
+
+
+def test_the_verify_cost_model_learns_from_decode_steps_only(model_dirs, get_llm, make_prompts):
+    """Prefill chunks cost far less per token than decode and verify rows: fitted into the verify
+    cost's line they priced a draft row at batch 32 at a fraction of its cost."""
+    target = model_dirs["llama3"]
+    prompts = [p * 4 for p in make_prompts(4, seed=3, lengths=[10, 11, 12, 12])]  # 40-48 tokens each
+    llm = get_llm(target, fresh=True, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    controller = llm.engine.speculator.controller
+    seen = []
+
+    def observe_verify(tokens, seconds, _observe=controller.observe_verify):
+        seen.append(tokens)
+        return _observe(tokens, seconds)
+
+    controller.observe_verify = observe_verify
+    llm.generate(prompts, GREEDY)
+    assert seen and max(seen) <= len(prompts) * (1 + 4)  # decode rows and drafts, never a prompt's 40+
