@@ -420,6 +420,8 @@ class SpecController:
                 (accepted / geometric if (geometric := expected_tokens(prior, j) - 1.0) > 1e-9 else None)
                 for j, accepted in enumerate(positions.chain(length, prior, d.positions[sampled]))]
         per_geometric = chain[cut]
+        if per_geometric is None:  # a prior of no acceptance at all
+            return 0.0, float(cut)
         return min(per_geometric * (expected_tokens(alpha, cut) - 1.0), float(cut)), float(cut)
 
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:

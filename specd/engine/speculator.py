@@ -45,7 +45,7 @@ class Speculator:
         # In-process index drafters asked before each plan, and how much of each sequence's
         # history each has been sent (its own count: the chosen drafter's is seq.spec_sent).
         self._inline_sent: dict[tuple[str | None, int], int] = {}
-        self.offer_seconds = 0.0  # the last step's asking of the inline drafters
+        self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -83,11 +83,12 @@ class Speculator:
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
-                      "predicted over realized time: plain %.2f, spec %.2f",
+                      "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask)",
                       len(decoding), c.step_mode, plan[:4], first,
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
                       {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
-                      c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"))
+                      c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
+                      {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3)
         requests, entries, out = [], [], {}
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):
