@@ -76,7 +76,7 @@ class Speculator:
         base_tokens = sum(e.num_new_tokens for e in batch)
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
         names = self._drafter_names()
-        offers = self._offers(decoding, caps, pinned, names)
+        offers = self._offers(decoding, caps, pinned, names, base_tokens)
         plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
                                     base_tokens, names, pinned,
                                     {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()})
@@ -140,19 +140,27 @@ class Speculator:
         return out
 
     def _offers(self, decoding: list[ScheduledSeq], caps: list[int], pinned: dict[int, str],
-                names: list[str | None]) -> dict[int, dict[str | None, list[int]]]:
+                names: list[str | None], base_tokens: int) -> dict[int, dict[str | None, list[int]]]:
         """Every in-process index drafter's draft for every decoding sequence that may draft, at its
         cap: {seq_id: {drafter: validated drafts}} (a lookup costs microseconds, so whether a
-        sequence has a draft, and how long, is known before the plan)."""
+        sequence has a draft, and how long, is known before the plan). Where no draft of this
+        drafter could pay at this batch size (controller.offers_may_pay), only the sequences whose
+        request named it or set its own k are asked; the others read as offering nothing."""
         out: dict[int, dict[str | None, list[int]]] = {}
         t0 = time.perf_counter()
+        kinds = {e.seq.params.temperature > 0 for e in decoding}
         for name, proposer in self.inline.items():
             if name not in names:
                 continue
+            may_pay = self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
             requests, asked = [], {}
             for e, cap in zip(decoding, caps):
                 seq, sid = e.seq, e.seq.seq_id
-                if cap <= 0 or self._fixed_k(seq) == 0 or pinned.get(sid, name) != name:
+                fixed = self._fixed_k(seq)
+                if cap <= 0 or fixed == 0 or pinned.get(sid, name) != name:
+                    continue
+                if not may_pay and fixed is None and sid not in pinned:
+                    out.setdefault(sid, {})[name] = []
                     continue
                 sent, length = self._inline_sent.get((name, sid), 0), len(seq)
                 requests.append(ProposeRequest(

@@ -65,3 +65,33 @@ def test_the_verify_cost_model_learns_from_decode_steps_only(model_dirs, get_llm
     controller.observe_verify = observe_verify
     llm.generate(prompts, GREEDY)
     assert seen and max(seen) <= len(prompts) * (1 + 4)  # decode rows and drafts, never a prompt's 40+
+
+
+def test_the_index_is_not_asked_where_none_of_its_drafts_could_pay(model_dirs, get_llm, make_prompts):
+    """Where the controller finds that no draft of the index could pay at this batch size
+    (offers_may_pay: a CPU at batch 32), the sequences it chooses for are not asked and decode
+    plain; a request that set its own k is still asked, and greedy output stays plain decoding's."""
+    target = model_dirs["llama3"]
+    prompts = [p * 3 for p in make_prompts(2, seed=12, max_len=12)]
+    plain = [o.token_ids for o in get_llm(target).generate(prompts, GREEDY)]
+    llm = get_llm(target, fresh=True, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    speculator = llm.engine.speculator
+    proposer, controller = speculator.proposer, speculator.controller
+    asked, gate = [], []
+
+    def propose(requests, _propose=proposer.propose):
+        asked.extend(r.seq_id for r in requests)
+        return _propose(requests)
+
+    def offers_may_pay(*args):
+        gate.append(args[1:3])  # (sequences, base tokens) of the step
+        return False
+
+    proposer.propose, controller.offers_may_pay = propose, offers_may_pay
+    own_k = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=3)
+    outs = llm.generate(prompts, [GREEDY, own_k])
+    assert [o.token_ids for o in outs] == plain
+    assert gate and all(n in (1, 2) for n, _ in gate)
+    assert asked and len(set(asked)) == 1  # only the request with its own k
+    assert not outs[0].spec or outs[0].spec["drafts"] == 0
+    assert outs[1].spec["drafts"] > 0

@@ -546,3 +546,22 @@ def test_an_offered_drafter_beside_a_service_is_chosen_per_sequence():
             c.observe_accept(sid, 4, 2, "model")
     plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix", "model"], offered={1: {"suffix": 6}, 2: {"suffix": 0}})
     assert plan[0][1] == "suffix" and plan[0][0] >= 6 and plan[1][1] == "model" and plan[1][0] > 0
+
+
+def test_the_index_is_asked_only_where_one_of_its_drafts_could_pay():
+    """Where each verify row costs what a sequence's step does (a CPU at batch 32), no draft the
+    index has offered so far pays for its rows, so asking it for every sequence is time lost; at
+    batch 1 (a row costs a tenth of a step) the same drafts pay."""
+    compute_bound = lambda t: 0.010 + 0.004 * t  # noqa: E731
+    c = _offering_drafter(compute_bound, {1: 0.1, 8: 0.5})
+    for t in range(30, 45):
+        for _ in range(3):
+            c.observe_verify(t, compute_bound(t))
+    assert not c.offers_may_pay("suffix", 32, 32, 8, {False})
+    assert c.offers_may_pay("suffix", 1, 1, 8, {False})
+    copies = _offering_drafter(compute_bound, {8: 0.97})  # long copies, nearly always right, pay even there
+    for t in range(30, 45):
+        for _ in range(3):
+            copies.observe_verify(t, compute_bound(t))
+    assert copies.offers_may_pay("suffix", 32, 32, 8, {False})
+    assert SpecController(8).offers_may_pay("suffix", 32, 32, 8, {False})  # nothing timed yet: ask
