@@ -99,6 +99,7 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
     server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,
                                            log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75,
                                            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
+    freeze_startup_heap("gateway")
     await server.serve()
     return 0
 

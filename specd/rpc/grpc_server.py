@@ -78,6 +78,7 @@ async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str,
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     if on_health is not None:
         on_health(health_servicer, ["", *names])
+    freeze_startup_heap(name)
     log.info("%s listening on %s:%d%s%s", name, host, port, " (TLS)" if creds is not None else "",
              "" if security.secret else "; gRPC authentication off (no shared secret)")
     await stop.wait()
