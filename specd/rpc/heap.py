@@ -5,7 +5,7 @@ tokenizer, grpc and the web framework); every full (generation 2) pass walks all
 serving, each request's suffix trie adds thousands of nodes, which triggers such passes: on a
 2-core EPYC one took 140 ms in the verifier, a whole decode step at batch 32, and it lands on
 whichever step is running. Freezing the startup heap (as vLLM does after its engine starts)
-leaves only what serving allocates to walk: a full pass there took 7 ms.
+leaves only what serving allocates to walk (in-process, a batch-8 summaries run then had no full pass and spent 7 ms in the collector).
 """
 from __future__ import annotations
 
