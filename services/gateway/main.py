@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from specd.rpc import auth
+from specd.rpc.heap import freeze_startup_heap
 
 from .config import DEFAULT_MAX_BODY_BYTES, ROUTINGS, GatewayConfig, ModelInfo
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.rpc.auth import Security, server_credentials, server_interceptors
+from specd.rpc.heap import freeze_startup_heap
 
 log = logging.getLogger("specd")
 

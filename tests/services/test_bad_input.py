@@ -97,3 +97,14 @@ def test_cancelled_streams_leave_quiet_logs(stack):
     for service in ("verifier", "gateway"):
         log = stack[service].log_text()
         assert "Traceback" not in log and "Failed to detach context" not in log, f"{service}:\n{log[-3000:]}"
+
+
+def test_services_freeze_their_startup_heap_once_serving(stack):
+    """The verifier (as every gRPC service: the same serve()) and the gateway freeze what startup left
+    alive out of garbage collection: a full pass that walked a loaded model's objects took 140 ms,
+    on whichever decode step it fell."""
+    for service in ("verifier", "gateway"):
+        frozen = [line for line in stack[service].log_text().splitlines()
+                  if "startup objects frozen out of garbage collection" in line]
+        assert len(frozen) == 1, f"{service}:\n{stack[service].log_text()[-3000:]}"
+        assert int(frozen[0].rsplit(": ", 1)[1].split()[0]) > 10_000  # the objects a service starts with
