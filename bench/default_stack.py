@@ -19,6 +19,8 @@ What runs, in this order, on one machine:
    its n-gram speculation (--spec-type ngram-mod), both loaded beside the stack for the whole
    run; ratios are taken within a round.
 
+Sampled cells (T > 0) ask for exactly max_tokens tokens per stream (ignore_eos): a sampled answer's
+length changes from run to run, and with it the cell's time, more than speculation does.
 Every cell (and llama-server before its rounds) first sends its prompts once for one token, untimed, so
 each timed run finds them in the prefix cache. tok/s of a cell = completion tokens of all its
 streams / wall time of the cell; TTFT = the median
@@ -301,9 +303,13 @@ def main() -> None:
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        modes = {"plain": {"speculative": {"num_speculative_tokens": 0}}, "default": None}
         for w in workloads:
             for temperature in temperatures:
+                # A sampled answer's length changes run to run (the plain runs of one batch-8 cell took
+                # 1.5 to 4.1 s), more than speculation changes its speed: sampled cells decode exactly
+                # max_tokens tokens per stream (ignore_eos), so every run does the same work.
+                fixed = {"ignore_eos": True} if temperature > 0 else {}
+                modes = {"plain": {"speculative": {"num_speculative_tokens": 0}, **fixed}, "default": fixed or None}
                 for batch in batches:
                     key = f"{w} T={temperature:g} batch={batch}"
                     cell = interleaved(client, model, cell_prompts(w, batch), batch, args, temperature, modes)
@@ -342,7 +348,8 @@ def report(r: dict) -> str:
              f"with its defaults (drafters: the trained draft model and a suffix index; the one change: the suffix "
              "index keeps no answers of finished requests, else the interleaved runs of the same prompts would draft "
              "each other's answers), the official `openai` "
-             f"client, streamed chat completions, up to {a['max_tokens']} tokens; batch 1 sends {a['prompts']} "
+             f"client, streamed chat completions, up to {a['max_tokens']} tokens (sampled cells, T > 0: exactly "
+             f"{a['max_tokens']} per stream, ignore_eos, as a sampled answer's length changes run to run); batch 1 sends {a['prompts']} "
              "held-out prompts one after another, batch B sends B prompts as B concurrent streams. "
              "Plain = `speculative: {num_speculative_tokens: 0}` in the request; server's choice = no field. "
              f"Runs interleaved: plain, then {a.get('repeats', 1)} times server's choice and plain again; tok/s is a mode's "
