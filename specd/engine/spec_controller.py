@@ -244,7 +244,7 @@ class SpecController:
         # Where every drafter's draft is made before the plan (in-process indexes only), a draft is
         # taken whole whatever the step's k: k = 1 is every k > 0 (the other 7 of 9 options cost
         # most of a plan at batch 32).
-        k_matters = any(n not in self.offered.get(sid, {}) for sid, cap, _ in seqs if cap > 0 for n in names)
+        k_matters = any(name not in self.offered.get(sid, {}) for sid, cap, _ in seqs if cap > 0 for name in names)
         for k in range(self.max_k + 1 if k_matters else min(self.max_k, 1) + 1):
             for subset in _subsets(names) if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)

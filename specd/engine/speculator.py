@@ -26,6 +26,9 @@ from specd.engine.spec_controller import SpecController
 from specd.engine.spec_stats import SpecStats
 
 log = logging.getLogger("specd.speculation")
+# Where none of an in-process index's drafts could pay (a CPU at batch 32), it is still asked every
+# this many steps: the plan may take or explore what it offers, so its acceptance keeps being measured.
+ASK_ANYWAY_EVERY = 16
 
 
 class Speculator:
@@ -45,6 +48,7 @@ class Speculator:
         # In-process index drafters asked before each plan, and how much of each sequence's
         # history each has been sent (its own count: the chosen drafter's is seq.spec_sent).
         self._inline_sent: dict[tuple[str | None, int], int] = {}
+        self._steps_unasked: dict[str | None, int] = {}  # steps since each inline drafter was last asked
         self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
 
     @property
@@ -153,6 +157,11 @@ class Speculator:
             if name not in names:
                 continue
             may_pay = self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
+            if not may_pay:  # now and then asked anyway: what it offers, and how much of that is accepted,
+                # stays measured (a workload that starts repeating its prompt would otherwise never reopen it)
+                skipped = self._steps_unasked.get(name, 0) + 1
+                may_pay = skipped >= ASK_ANYWAY_EVERY
+                self._steps_unasked[name] = 0 if may_pay else skipped
             requests, asked = [], {}
             for e, cap in zip(decoding, caps):
                 seq, sid = e.seq, e.seq.seq_id
