@@ -156,12 +156,12 @@ class Speculator:
         for name, proposer in self.inline.items():
             if name not in names:
                 continue
-            may_pay = self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
-            if not may_pay:  # now and then asked anyway: what it offers, and how much of that is accepted,
-                # stays measured (a workload that starts repeating its prompt would otherwise never reopen it)
-                skipped = self._steps_unasked.get(name, 0) + 1
-                may_pay = skipped >= ASK_ANYWAY_EVERY
-                self._steps_unasked[name] = 0 if may_pay else skipped
+            # Now and then asked anyway: what it offers, and how much of that is accepted, stays measured
+            # (a workload that starts repeating its prompt would otherwise never reopen it).
+            unasked = self._steps_unasked.get(name, 0) + 1
+            may_pay = (self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
+                       or unasked >= ASK_ANYWAY_EVERY)
+            self._steps_unasked[name] = 0 if may_pay else unasked
             requests, asked = [], {}
             for e, cap in zip(decoding, caps):
                 seq, sid = e.seq, e.seq.seq_id
