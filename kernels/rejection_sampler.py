@@ -31,11 +31,11 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from specd.kernels.rejection_sampler_ref import (MODES, STRICT, SYNTHETIC, TYPICAL, exponential_race,
-                                                rejection_sample_ref)
+from specd.kernels.rejection_sampler_ref import (MODES, STRICT, SYNTHETIC, TYPICAL, draw_from, exponential_race,
+                                                inverse_cdf, rejection_sample_ref)
 
 __all__ = ["MODES", "STRICT", "SYNTHETIC", "TYPICAL", "SpecDecodeMetadata", "RejectionSampleOutput",
-           "rejection_sample", "draw_randomness", "exp_noise", "exponential_race", "target_rows", "cu_num_draft_of",
+           "rejection_sample", "draw_randomness", "draw_from", "exp_noise", "exponential_race", "inverse_cdf", "target_rows", "cu_num_draft_of",
            "to_token_lists"]
 
 
@@ -140,7 +140,7 @@ def rejection_sample(
     target_argmax: torch.Tensor,  # [N] int64 greedy token at each draft (argmax of the raw logits)
     bonus_token_ids: torch.Tensor,  # [B] int64, from the target sampler
     uniforms: torch.Tensor | None,  # [N] float32 U[0, 1) for the accept tests
-    noise: torch.Tensor | None,  # [B, V] float32 Exp(1) > 0: the rows the bonus tokens were drawn with
+    noise: torch.Tensor | None,  # what the bonus tokens were drawn with: [B, V] Exp(1) rows or [B] uniforms
 ) -> RejectionSampleOutput:
     """Accept or reject every draft of the batch; see the module docstring.
 
@@ -163,39 +163,50 @@ def draw_randomness(
     device: torch.device | str,
     default_generator: torch.Generator | None = None,  # for unseeded rows (engine-wide)
     draws: Sequence[bool] | None = None,  # [B] which sequences draw at all; None: every one
-) -> tuple[torch.Tensor, torch.Tensor]:  # uniforms [N] float32, noise [B, V] float32
+    race: bool | None = None,  # noise rows for the exponential race; None: where the Triton kernel runs
+) -> tuple[torch.Tensor, torch.Tensor]:  # uniforms [N] float32, noise [B, V] float32 or [B] float64
     """Every random number one step consumes, drawn once, outside the samplers.
 
-    A seeded row draws its num_draft uniforms, then its vocab exponentials, from its own
+    A seeded row draws its num_draft uniforms, then its drawing randomness, from its own
     generator, so its result does not depend on what else is in the batch. Unseeded rows
     share one vectorised draw from default_generator (all their uniforms, then all their
-    noise rows). Rows that do not draw get uniforms 0 and noise 1 (never read). The noise
-    row serves both the bonus draw and the recovered draw (only one is emitted), so a step
-    without drafts consumes exactly one noise row per drawing sequence.
-    Generators must live on `device`.
+    drawing randomness). The drawing randomness serves both the bonus draw and the recovered
+    draw (only one is emitted; draw_from): with race, a row of vocab Exp(1) draws (the Triton
+    kernel's exponential race, cheap on a GPU); otherwise one float64 uniform, for the inverse
+    CDF (on a CPU a 49k-wide noise row cost ~0.8 ms a drafting sequence, 20% of a batch-8 step
+    with drafts at T > 0 on the 2-core EPYC). Rows that do not draw get uniforms 0 and noise 1
+    or uniform 0 (never read). Generators must live on `device`.
     """
     B, n = len(num_draft), sum(num_draft)
     draws = [True] * B if draws is None else list(draws)
+    race = backend(device) == "triton" if race is None else race
+
+    def drawing(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+        if race:
+            return exp_noise(shape + (vocab,), device, generator)
+        return torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
     starts = [0] * B
     for b in range(1, B):
         starts[b] = starts[b - 1] + num_draft[b - 1]
     shared = [b for b in range(B) if draws[b] and generators[b] is None]
     if len(shared) == B:  # the common case: no scatter
         uniforms = torch.rand(n, device=device, generator=default_generator)
-        noise = exp_noise((B, vocab), device, default_generator)
+        noise = drawing((B,), default_generator)
     else:
         uniforms = torch.zeros(n, device=device)
-        noise = torch.ones(B, vocab, device=device)
+        noise = torch.ones(B, vocab, device=device) if race else torch.zeros(B, dtype=torch.float64, device=device)
         if shared:
             pos = [starts[b] + i for b in shared for i in range(num_draft[b])]
             if pos:
                 uniforms[torch.tensor(pos, device=device)] = torch.rand(
                     len(pos), device=device, generator=default_generator)
-            noise[torch.tensor(shared, device=device)] = exp_noise((len(shared), vocab), device, default_generator)
+            noise[torch.tensor(shared, device=device)] = drawing((len(shared),), default_generator)
     for b, (gen, k) in enumerate(zip(generators, num_draft)):
         if gen is not None and draws[b]:
             uniforms[starts[b]:starts[b] + k] = torch.rand(k, device=device, generator=gen)
-            noise[b] = exp_noise((vocab,), device, gen)
+            noise[b] = drawing((), gen)
+    if not race:
+        return uniforms, noise
     # E = 0 has probability ~0 and no effect on the law, but p / E with p = 0 would be NaN,
     # which argmax picks: a token the filters removed. Clamped, p = 0 gives 0.
     return uniforms, noise.clamp_min_(torch.finfo(torch.float32).tiny)

@@ -15,8 +15,8 @@ Lossless for any q: each sibling test is a speculative sampling step against the
 left by the siblings before it, so the emitted token follows p whatever q each sibling was
 drawn from, provided it was drawn independently of the acceptance uniforms (SpecInfer,
 Miao et al. 2024, Theorem 4.2; siblings drawn without replacement send the conditional q).
-The last token is drawn by the exponential race on the sequence's noise row, as a chain's
-recovered or bonus token is, so a chain given as parents [-1, 0, 1, ...] takes exactly the
+The last token is drawn with the sequence's drawing randomness (draw_from: its noise row or
+its uniform), as a chain's recovered or bonus token is, so a chain given as parents [-1, 0, 1, ...] takes exactly the
 decisions of the chain sampler (tests/engine/test_token_trees.py checks that).
 This walks the tree per sequence on the host side: the number of nodes is small, and a
 sampled sibling needs the residual its elder siblings left.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specd.kernels.rejection_sampler_ref import exponential_race
+from specd.kernels.rejection_sampler_ref import draw_from
 
 if TYPE_CHECKING:
     from specd.kernels.rejection_sampler import SpecDecodeMetadata
@@ -42,7 +42,7 @@ def tree_rejection_sample_ref(
     target_probs: torch.Tensor | None,  # [R, V] float32, filtered; R = Σ (n_b + 1); None: all greedy
     target_argmax: torch.Tensor,  # [R] int64, argmax of the raw logits
     uniforms: torch.Tensor | None,  # [N] float32, one per node; None: all greedy
-    noise: torch.Tensor | None,  # [B, V] float32 Exp(1) > 0; None: all greedy
+    noise: torch.Tensor | None,  # [B, V] float32 Exp(1) > 0, or [B] uniforms (draw_from); None: all greedy
 ) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """-> per sequence: emitted tokens (accepted path, then one), accepted count, accepted nodes."""
     tokens = meta.draft_token_ids.tolist()
@@ -72,7 +72,7 @@ def tree_rejection_sample_ref(
                         break
                     p = _residual(p, q)
                 if nxt is None:
-                    last = int(exponential_race(p[None], noise[b][None])[0])
+                    last = int(draw_from(p[None], noise[b][None])[0])
                     break
             path.append(nxt)
             cur = nxt + 1

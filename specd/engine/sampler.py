@@ -2,16 +2,18 @@
 
   SamplingMetadata  the step's inputs, built once from the batch: per-row sampling params
                     as tensors, generators, and the drafts (SpecDecodeMetadata).
-  draw_randomness   every uniform and Exp(1) row the sequences with drafts consume, drawn once, up front.
+  draw_randomness   every uniform (and, on a GPU, Exp(1) row) the sequences with drafts
+                    consume, drawn once, up front.
   Sampler           the target token of each sampled sequence from its last logits row:
                     argmax of the raw logits (greedy); for a sequence without drafts, the
                     inverse CDF at one uniform (plain decoding draws B numbers a step, not
-                    B x V); with drafts, the exponential race argmax(p / E), whose noise row the
-                    recovered draw shares, which draws exactly from p without a host sync.
+                    B x V); with drafts, the same on a CPU, and on a GPU the exponential race
+                    argmax(p / E), which draws exactly from p without a host sync.
   rejection_sample  takes those bonus tokens and only decides acceptance and draws the
-                    recovered tokens, with the same noise row as the bonus (one of the two
-                    is emitted). A sequence consumes one uniform a step without drafts, its k
-                    uniforms and one noise row with k drafts, whatever else is in the step.
+                    recovered tokens, with the bonus's randomness (one of the two is
+                    emitted). A sequence consumes one uniform a step without drafts, its k
+                    uniforms and one more uniform (GPU: one noise row) with k drafts,
+                    whatever else is in the step.
 Each seeded request draws from its own generator, so its tokens do not depend on what else
 is in the batch.
 """
@@ -23,7 +25,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_randomness, exponential_race,
+from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_from, draw_randomness, inverse_cdf,
                                              rejection_sample, target_rows, to_token_lists)
 from specd.kernels.tree_rejection_sampler import tree_rejection_sample_ref
 from specd.sampling import SamplingParams
@@ -128,10 +130,10 @@ class Sampler:
     def sample_target(greedy_tokens: torch.Tensor, probs: torch.Tensor | None, is_greedy: torch.Tensor,
                       noise: torch.Tensor | None) -> torch.Tensor:
         """greedy_tokens [B] (argmax of the raw logits), probs [B, V] | None (all greedy),
-        is_greedy [B], noise [B, V] → the target token of each row [B]."""
+        is_greedy [B], noise [B, V] Exp(1) rows or [B] uniforms → the target token of each row [B]."""
         if probs is None:
             return greedy_tokens
-        return torch.where(is_greedy, greedy_tokens, exponential_race(probs, noise))
+        return torch.where(is_greedy, greedy_tokens, draw_from(probs, noise))
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [R, V] float32 → per sampled sequence, the tokens to commit."""
@@ -186,20 +188,6 @@ def draw_row_uniforms(generators: Sequence[torch.Generator | None], draws: Seque
         if d and g is not None:
             u[b] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
     return u
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A token per row drawn from probs [B, V] at the uniform u [B] in [0, 1): the first whose
-    cumulative probability exceeds u times the row's total (summed in float64: a float32 sum of
-    49k terms rounds by ~1e-7, so a token of probability 1e-8 would be drawn at a rate that
-    rounding sets). The point is kept strictly below the total whatever u is, so the token found
-    is one where the sum rises: a token of probability 0 (filtered, or masked by a grammar) is
-    never drawn. On the 2-core EPYC, B = 32 x 49152: ~2 ms
-    against ~35 ms for the exponential race's B x V draws."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1]
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
 
 
 def draft_seed(seed: int, position: int) -> int:

@@ -145,12 +145,14 @@ def test_seeded_sequence_reproduces_whatever_the_batch(backend, sparse):
     assert len(outputs) > 3
 
 
-def test_draw_randomness_is_per_generator():
+@pytest.mark.parametrize("race", [False, True])
+def test_draw_randomness_is_per_generator(race):
     cpu = torch.device("cpu")
-    u1, e1 = rs.draw_randomness([make_generator(5, cpu)], [3], 10, cpu)
-    u2, e2 = rs.draw_randomness([None, make_generator(5, cpu)], [2, 3], 10, cpu)
+    u1, e1 = rs.draw_randomness([make_generator(5, cpu)], [3], 10, cpu, race=race)
+    u2, e2 = rs.draw_randomness([None, make_generator(5, cpu)], [2, 3], 10, cpu, race=race)
+    assert e2.shape == ((2, 10) if race else (2,))
     assert torch.equal(u1, u2[2:]) and torch.equal(e1[0], e2[1])
-    u3, _ = rs.draw_randomness([make_generator(6, cpu)], [3], 10, cpu)
+    u3, _ = rs.draw_randomness([make_generator(6, cpu)], [3], 10, cpu, race=race)
     assert not torch.equal(u1, u3)
     assert bool((e2 > 0).all()) and bool(((u2 >= 0) & (u2 < 1)).all())
 

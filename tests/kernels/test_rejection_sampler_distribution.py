@@ -52,7 +52,7 @@ def sparse_q() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, probs
 
 
-def make_trials(p: torch.Tensor, sparse: bool, seed: int = 0) -> dict:
+def make_trials(p: torch.Tensor, sparse: bool, seed: int = 0, race: bool = False) -> dict:
     g = make_generator(seed, torch.device("cpu"))
     num_draft = torch.full((TRIALS,), 2, dtype=torch.long)
     if sparse:
@@ -64,7 +64,7 @@ def make_trials(p: torch.Tensor, sparse: bool, seed: int = 0) -> dict:
     else:  # deterministic proposer: the draft is a fixed function of the context
         drafts = torch.tensor([0, 3]).repeat(TRIALS)  # the top tokens of p_1 and p_2
         q_ids = q_probs = None
-    uniforms, noise = rs.draw_randomness([None] * TRIALS, num_draft.tolist(), VOCAB, "cpu", g)
+    uniforms, noise = rs.draw_randomness([None] * TRIALS, num_draft.tolist(), VOCAB, "cpu", g, race=race)
     meta = rs.SpecDecodeMetadata(
         draft_token_ids=drafts, num_draft=num_draft, cu_num_draft=rs.cu_num_draft_of(num_draft),
         num_draft_host=num_draft.tolist(), max_num_draft=2, is_greedy=torch.zeros(TRIALS, dtype=torch.bool),
@@ -90,11 +90,12 @@ def check_positions(out: torch.Tensor, n_acc: torch.Tensor, p: torch.Tensor, min
         assert stat < critical, f"position {position}: chi2 {stat:.1f} >= {critical:.1f}"
 
 
+@pytest.mark.parametrize("race", [False, True], ids=["inverse-cdf", "exp-race"])  # a CPU's draw, a GPU's
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 @pytest.mark.parametrize("sparse", [False, True], ids=["one-hot-q", "sparse-q"])
-def test_emitted_tokens_follow_the_target(top_p, sparse):
+def test_emitted_tokens_follow_the_target(top_p, sparse, race):
     p = target_rows(top_p)
-    out = sample(make_trials(p, sparse, seed=int(top_p * 10) + sparse))
+    out = sample(make_trials(p, sparse, seed=int(top_p * 10) + sparse, race=race))
     assert out.output_token_ids.shape == (TRIALS, 3)
     # >= 10^5 samples for the first and second emitted tokens; the bonus gets what reaches it.
     check_positions(out.output_token_ids, out.num_accepted, p, min_samples=[100_000, 100_000, 20_000])
@@ -116,7 +117,7 @@ def broken_first_token(args: dict, bug: str) -> torch.Tensor:
         accept, residual = u < p_x, (p1 - q1).clamp_min(0)
     else:  # "accept with q/p": ratio upside down
         accept, residual = u * p_x < q_x, (p1 - q1).clamp_min(0)
-    return torch.where(accept, x, (residual / args["noise"]).argmax(-1))
+    return torch.where(accept, x, rs.draw_from(residual, args["noise"]))
 
 
 @pytest.mark.parametrize("sparse, bug", [

@@ -30,21 +30,33 @@ def zero_noise_on_filtered(monkeypatch):
 
 def test_zero_noise_on_a_filtered_token_never_emits_it(monkeypatch):
     zero_noise_on_filtered(monkeypatch)
-    params = SamplingParams(temperature=1.0, top_k=2)
     probs = torch.tensor([[0.6, 0.4, 0, 0, 0, 0.0, 0, 0]])
     # Unclamped, p / E = 0 / 0 = NaN on the filtered token, and argmax picks NaN.
     assert rs.exponential_race(probs, rs.exp_noise((1, V), CPU))[0] == FILTERED
-    _, noise = rs.draw_randomness([None, make_generator(1, CPU)], [0, 0], V, CPU)
-    assert bool((noise > 0).all())
+    # The race's rows (a GPU's) are clamped; a CPU draws uniforms for the inverse CDF instead.
+    _, noise = rs.draw_randomness([None, make_generator(1, CPU)], [0, 0], V, CPU, race=True)
+    assert noise.shape == (2, V) and bool((noise > 0).all())
+    _, u = rs.draw_randomness([None, make_generator(1, CPU)], [0, 0], V, CPU)
+    assert u.shape == (2,) and u.dtype == torch.float64
+    for race, randomness in ((True, noise), (False, u)):  # the recovered draw, either way
+        residual = torch.tensor([[0.0, 0.4, 0, 0, 0, 0.0, 0, 0]])
+        assert rs.draw_from(residual, randomness[:1]).tolist() == [1], race
+
+
+def test_the_sampler_never_emits_a_filtered_token():
+    params = SamplingParams(temperature=1.0, top_k=2)
     sampler = Sampler(CPU)
     # Plain rows (one unseeded, one seeded) and a verify row whose draft is rejected
-    # (draft 7 has p = 0), so the recovered draw races the residual with E = 0 on FILTERED.
+    # (draft 7 has p = 0), so the recovered draw is from the residual: tokens 0 and 1 only.
     meta = SamplingMetadata.build([params] * 3, CPU, [None, make_generator(3, CPU), None],
                                   drafts=[[], [], [7]])
-    for _ in range(3):
+    seen = set()
+    for _ in range(40):
         out = sampler(logits_rows(4), meta)
         assert all(FILTERED not in tokens for tokens in out.token_ids), out
         assert out.token_ids[2][0] in (0, 1) and out.num_accepted == [0, 0, 0]
+        seen.add(out.token_ids[2][0])
+    assert seen == {0, 1}  # 0.6 / 0.4: both drawn in 40 tries but with probability ~1e-9
 
 
 def test_a_step_without_drafts_consumes_what_a_plain_step_does():
@@ -54,12 +66,13 @@ def test_a_step_without_drafts_consumes_what_a_plain_step_does():
     plain = make_generator(7, CPU)
     torch.rand(1, dtype=torch.float64, generator=plain)  # one uniform: the inverse CDF's point
     assert torch.equal(gen.get_state(), plain.get_state())
-    # With k drafts: k uniforms first, then the one noise row, shared by recovered and bonus.
+    # With k drafts: k uniforms first, then the one uniform shared by recovered and bonus
+    # (on a CPU: the inverse CDF; a GPU's race draws a noise row instead).
     gen = make_generator(7, CPU)
     Sampler(CPU)(logits_rows(3), SamplingMetadata.build([params], CPU, [gen], drafts=[[0, 1]]))
     spec = make_generator(7, CPU)
     torch.rand(2, generator=spec)
-    rs.exp_noise((V,), CPU, spec)
+    torch.rand(1, dtype=torch.float64, generator=spec)
     assert torch.equal(gen.get_state(), spec.get_state())
 
 
