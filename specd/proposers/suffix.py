@@ -1,10 +1,12 @@
 """suffix proposer (SuffixDecoding, Oliaro et al. 2024; vLLM method "suffix", which wraps
 Arctic Inference's SuffixDecodingCache).
 
-Two kinds of suffix trie, both bounded by suffix_decoding_max_tree_depth (D): every suffix
-of a sequence is inserted up to D tokens, so a node's count is the number of occurrences
-of the token string on its path.
-  - one per active request, over its prompt and output, extended as tokens are committed;
+Two indexes of suffixes, both bounded by suffix_decoding_max_tree_depth (D): every suffix
+of a sequence counts up to D tokens, so a string's count is its number of occurrences.
+  - one per active request, over its prompt and output, extended as tokens are committed:
+    a SequenceIndex, the positions of each token, which answers as the suffix trie of that
+    one sequence would (a trie of a 600-token prompt at D = 24 is 14k Python nodes, ~30 ms
+    to build on first contact; the positions take ~0.1 ms, and a draft filters them);
   - one global trie over the outputs ("responses") of the most recent
     suffix_decoding_max_cached_requests finished requests, evicted FIFO (0 disables it).
     A request's response enters it when the request is released (explicitly or by TTL).
@@ -108,17 +110,12 @@ class SuffixTrie:
         return node
 
     def speculate(self, context: list[int], max_spec_tokens: int, max_spec_factor: float,
-                  min_token_prob: float, open_nodes: list[_Node] | None = None) -> tuple[list[int], float, int]:
-        """(draft, score, match_len) of the best-scoring match of a suffix of context.
-        open_nodes: where context is this trie's own latest sequence, the nodes extend() returned
-        for it: the node of its m-token suffix is open_nodes[-m], no walk from the root needed."""
+                  min_token_prob: float) -> tuple[list[int], float, int]:
+        """(draft, score, match_len) of the best-scoring match of a suffix of context."""
         context = context[-self.max_depth:]
         best: tuple[list[int], float, int] = ([], 0.0, 0)
         for match_len in range(1, len(context)):
-            if open_nodes is not None:
-                node = open_nodes[-match_len]
-            else:
-                node = self.match(context[len(context) - match_len:])
+            node = self.match(context[len(context) - match_len:])
             if node is None:
                 break  # the trie holds every substring of its sequences: longer ones miss too
             limit = min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6))
@@ -141,13 +138,92 @@ class SuffixTrie:
         return draft, score
 
 
+class SequenceIndex:
+    """One growing sequence's suffixes, as the positions where each token ends an occurrence.
+    speculate() gives what SuffixTrie(max_depth).speculate gives for a trie of this sequence
+    alone, its context being the sequence itself: the node of a string is the set of positions
+    where the string ends (its count their number, its newest occurrence the last of them), and
+    a child's set is the positions one further that hold the child's token."""
+
+    def __init__(self, max_depth: int):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self.ends: dict[int, list[int]] = {}  # token -> positions holding it, ascending
+
+    def extend(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self.ends.setdefault(tok, []).append(len(self.tokens))
+            self.tokens.append(tok)
+
+    def speculate(self, max_spec_tokens: int, max_spec_factor: float,
+                  min_token_prob: float) -> tuple[list[int], float, int]:
+        """(draft, score, match_len) of the best-scoring match of a suffix of the sequence."""
+        tokens, n = self.tokens, len(self.tokens)
+        best: tuple[list[int], float, int] = ([], 0.0, 0)
+        if not n:
+            return best
+        ends = self.ends[tokens[-1]]  # the 1-token suffix's occurrences (the last one: the end)
+        path = None
+        for match_len in range(1, min(n, self.max_depth)):
+            if match_len > 1:
+                tok = tokens[n - match_len]
+                longer = [e for e in ends if e >= match_len - 1 and tokens[e - match_len + 1] == tok]
+                if len(longer) < len(ends):  # a subset: the same length is the same occurrences
+                    ends, path = longer, None
+            if len(ends) == 1:
+                break  # only the sequence's own end: nothing follows it, nor any longer match
+            limit = min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6), self.max_depth - match_len)
+            # Matches with the same occurrences follow the same path, as far as each one's limit.
+            path = path or _Path(tokens, ends, min_token_prob)
+            draft, score = path.take(limit)
+            if score > best[1]:
+                best = (draft, score, match_len)
+        return best
+
+
+class _Path:
+    """The draft a SequenceIndex match follows from its occurrences, grown as far as asked:
+    the child with the most occurrences (the newest on ties), while the path's probability
+    stays >= min_token_prob."""
+
+    def __init__(self, tokens: list[int], ends: list[int], min_token_prob: float):
+        self.tokens, self.ends, self.min_token_prob = tokens, ends, min_token_prob
+        self.draft: list[int] = []
+        self.scores: list[float] = []  # the score of each draft prefix (sum of path probabilities)
+        self.prob, self.done = 1.0, False
+
+    def take(self, limit: int) -> tuple[list[int], float]:
+        while len(self.draft) < limit and not self.done:
+            self._grow()
+        k = min(limit, len(self.draft))
+        return self.draft[:k], self.scores[k - 1] if k else 0.0
+
+    def _grow(self) -> None:
+        tokens, n = self.tokens, len(self.tokens)
+        children: dict[int, list[int]] = {}
+        for e in self.ends:
+            if e + 1 < n:
+                children.setdefault(tokens[e + 1], []).append(e + 1)
+        if not children:
+            self.done = True
+            return
+        tok, nxt = max(children.items(), key=lambda kv: (len(kv[1]), kv[1][-1]))
+        prob = self.prob * (len(nxt) / len(self.ends))  # as the trie rounds it
+        if prob < self.min_token_prob:
+            self.done = True
+            return
+        self.draft.append(tok)
+        self.scores.append((self.scores[-1] if self.scores else 0.0) + prob)
+        self.prob, self.ends = prob, nxt
+
+
 class _Request:
-    __slots__ = ("trie", "open", "length", "prompt_len")
+    __slots__ = ("index", "prompt_len")
 
     def __init__(self, max_depth: int, prompt_len: int):
-        self.trie = SuffixTrie(max_depth)
-        self.open: list[_Node] = []
-        self.length = 0  # tokens in the trie
+        self.index = SequenceIndex(max_depth)
         self.prompt_len = prompt_len
 
 
@@ -204,16 +280,14 @@ class SuffixProposer:
             state = self.requests[req.seq_id] = _Request(self.max_depth, min(prompt_len, len(tokens)))
         elif req.num_prompt_tokens is not None:
             state.prompt_len = req.num_prompt_tokens
-        state.open = state.trie.extend(state.open, tokens[state.length:])
-        state.length = len(tokens)
+        state.index.extend(tokens[len(state.index.tokens):])
         return state
 
     def _draft(self, state: _Request, tokens: list[int], k: int) -> list[int]:
-        args = (tokens, k, self.max_spec_factor, self.min_token_prob)
-        own, own_score, _ = state.trie.speculate(*args, open_nodes=state.open)
+        own, own_score, _ = state.index.speculate(k, self.max_spec_factor, self.min_token_prob)
         if not self.cached:
             return own
-        other, other_score, _ = self.global_trie.speculate(*args)
+        other, other_score, _ = self.global_trie.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
         return own if own_score >= other_score else other
 
     def release(self, seq_ids: list[int]) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specd.proposers.base import ProposeRequest
-from specd.proposers.suffix import SuffixProposer, SuffixTrie
+from specd.proposers.suffix import SequenceIndex, SuffixProposer, SuffixTrie
 
 
 def full(seq_id: int, tokens: list[int], k: int, **kw) -> ProposeRequest:
@@ -163,19 +163,20 @@ def test_trie_counts_match_occurrences_and_remove_restores_it():
         check()
 
 
-def test_drafts_from_the_open_nodes_equal_drafts_matched_from_the_root():
-    """A request's own trie drafts from the nodes extend() left open for its latest suffixes; they
-    must be the very nodes a walk from the root finds, every step of a growing sequence."""
+def test_a_sequence_index_drafts_what_the_trie_of_its_sequence_drafts():
+    """A request's own index (token positions) must answer as a suffix trie of its sequence,
+    every step of a growing sequence: the same draft, score and match length."""
     rng = random.Random(1)
     for depth in (1, 2, 6, 24):
-        trie, open_nodes, tokens = SuffixTrie(depth), [], []
-        for _ in range(300):
-            new = [rng.randrange(4) for _ in range(rng.randint(1, 3))]
-            open_nodes = trie.extend(open_nodes, new)
-            tokens += new
-            for k, factor, min_prob in ((8, 1.0, 0.1), (3, 2.0, 0.0), (16, 0.5, 0.4)):
-                assert (trie.speculate(tokens, k, factor, min_prob, open_nodes=open_nodes)
-                        == trie.speculate(tokens, k, factor, min_prob))
+        for alphabet in (2, 4, 50):
+            trie, open_nodes, index, tokens = SuffixTrie(depth), [], SequenceIndex(depth), []
+            for _ in range(300):
+                new = [rng.randrange(alphabet) for _ in range(rng.randint(1, 3))]
+                open_nodes = trie.extend(open_nodes, new)
+                index.extend(new)
+                tokens += new
+                for k, factor, min_prob in ((8, 1.0, 0.1), (3, 2.0, 0.0), (16, 0.5, 0.4), (24, 4.0, 0.0)):
+                    assert index.speculate(k, factor, min_prob) == trie.speculate(tokens, k, factor, min_prob)
 
 
 def test_bad_options():
