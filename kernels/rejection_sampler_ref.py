@@ -104,15 +104,16 @@ def rejection_sample_ref(
         r_n_acc = count_accepted(r_accept)
         rejected = r_n_acc < num_draft  # [B]
         rej = (first + r_n_acc).clamp(max=N - 1)  # [B]
-        p_rej = target_probs[rej]  # [B, V]
-        q_dense = torch.zeros_like(p_rej)  # q at the rejected position (lossy modes: 0, draw from p)
-        if mode == STRICT:
-            if meta.draft_q_ids is None:
-                q_dense.scatter_(1, draft_token_ids[rej][:, None], 1.0)
-            else:
-                ids = meta.draft_q_ids[rej]
-                q_dense.scatter_add_(1, ids.clamp_min(0), meta.draft_q_probs[rej] * (ids >= 0))
-        w = torch.clamp_min(p_rej - q_dense, 0.0)  # the residual
+        p_rej = target_probs.index_select(0, rej)  # [B, V] (advanced indexing: ~10x slower on a CPU)
+        if mode != STRICT:  # lossy modes: q = 0 at the rejected position, draw from p
+            w = p_rej
+        elif meta.draft_q_ids is None:  # one-hot q: max(p - q, 0) is p with the draft's entry 0 (p <= 1)
+            w = p_rej.scatter(1, draft_token_ids[rej][:, None], 0.0)
+        else:
+            q_dense = torch.zeros_like(p_rej)
+            ids = meta.draft_q_ids[rej]
+            q_dense.scatter_add_(1, ids.clamp_min(0), meta.draft_q_probs[rej] * (ids >= 0))
+            w = torch.clamp_min(p_rej - q_dense, 0.0)  # the residual
         # Rounding can leave no residual mass where p == q on the support; p is then the answer.
         use_p = w.max(dim=-1, keepdim=True).values <= 0
         recovered = draw_from(torch.where(use_p, p_rej, w), noise)
