@@ -1,7 +1,7 @@
 """Speculation controller: how many drafts (k) each sequence gets this step, and from which
 drafter where several serve (a verifier's pool: e.g. a draft model and a suffix index).
 
-Cost model (DESIGN §8), measured online:
+Cost model (DESIGN §8), measured online (the acceptance records: spec_acceptance.py):
   verify time  V(T), T = tokens in the forward: measured per T up to VerifyCost.TABLE_MAX (a
                CPU's matmul computes rows in register tiles, so e.g. 1-4 rows cost alike and a
                5th costs a tile more: a line through the points misprices every k), a + b·T
@@ -46,9 +46,9 @@ finishing of a batch) all costs speculation, so a predicted gain of a few percen
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
-from specd.engine.spec_costs import DraftCost, RealizedCalibration, VerifyCost
+from specd.engine.spec_acceptance import DrafterStats, Positions, SeqDrafterStats, expected_tokens
+from specd.engine.spec_costs import RealizedCalibration, VerifyCost
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
@@ -65,121 +65,14 @@ SWITCH_MARGIN = 1.10
 DRAFTER_MARGIN = 1.10
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    if k == 0:
-        return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-@dataclass
-class _Acceptance:
-    accepted: float = 0.0
-    trials: float = 0.0
-
-    def alpha(self, prior: float) -> float:
-        # Two pseudo-trials of the prior keep a short history from swinging to 0 or 1.
-        return (self.accepted + 2 * prior) / (self.trials + 2)
-
-    def observe(self, accepted: float, trials: float) -> None:
-        self.accepted = 0.95 * self.accepted + accepted
-        self.trials = 0.95 * self.trials + trials
-
-
-@dataclass
-class _Positions:
-    """A drafter's drafts position by position (1-based j, index j - 1): accepted[j], the j-th
-    token accepted where the j - 1 before it were; drafted[j], a j-th token drafted where j - 1
-    were and k allowed j. With none measured: α for acceptance, every token drafted."""
-
-    accepted: list[_Acceptance] = field(default_factory=list)
-    drafted: list[_Acceptance] = field(default_factory=list)
-
-    @staticmethod
-    def _at(rows: list[_Acceptance], j: int) -> _Acceptance:
-        while len(rows) < j:
-            rows.append(_Acceptance())
-        return rows[j - 1]
-
-    def observe_accept(self, num_draft: int, num_accepted: int) -> None:
-        for j in range(1, min(num_accepted + 1, num_draft) + 1):
-            self._at(self.accepted, j).observe(float(j <= num_accepted), 1.0)
-
-    def observe_drafted(self, drafted: int, asked: int) -> None:
-        for j in range(2, min(drafted + 1, asked) + 1):
-            self._at(self.drafted, j).observe(float(j <= drafted), 1.0)
-
-    def chain(self, n: int, alpha: float, under: "_Positions") -> list[float]:
-        """Accepted tokens expected of a known n-token draft cut at k, for k = 0..n: the positions
-        measured here, past them the drafter's over all lengths (under), past those alpha."""
-        out, accepted, p_accepted = [0.0], 0.0, 1.0
-        for j in range(1, n + 1):
-            prior = under.accepted[min(j, len(under.accepted)) - 1].alpha(alpha) if under.accepted else alpha
-            p_accepted *= self.accepted[j - 1].alpha(prior) if j <= len(self.accepted) else prior
-            accepted += p_accepted
-            out.append(accepted)
-        return out
-
-    def curve(self, max_k: int, alpha: float) -> list[tuple[float, float]]:
-        """(accepted tokens, tokens drafted) expected of a draft capped at k, for k = 0..max_k."""
-        out = [(0.0, 0.0)]
-        accepted = rows = 0.0
-        p_drafted = p_accepted = 1.0
-        for j in range(1, max_k + 1):
-            # Past the deepest position measured, a draft goes on as it did there (a k never asked
-            # for is priced from the nearest one that was, and is tried and measured once it pays).
-            drafted = self.drafted[min(j, len(self.drafted)) - 1].alpha(1.0) if j > 1 and self.drafted else 1.0
-            accept = self.accepted[min(j, len(self.accepted)) - 1].alpha(alpha) if self.accepted else alpha
-            p_drafted *= drafted
-            p_accepted *= drafted * accept
-            rows += p_drafted
-            accepted += p_accepted
-            out.append((accepted, rows))
-        return out
-
-
-@dataclass
-class _Drafter:
-    """What the controller knows of one drafter: its cost, and its acceptance over all sequences,
-    apart for greedy (key False) and sampled (key True) sequences."""
-
-    cost: DraftCost = field(default_factory=DraftCost)  # s per draft step vs seqs
-    hit_rate: float = 0.0  # pipelined drafters: share of proposals from the draft cache (EWMA)
-    hit_wait: float = 0.0  # seconds a propose call waits when its proposals were drafted ahead (EWMA)
-    acceptance: dict[bool, _Acceptance] = field(default_factory=lambda: {False: _Acceptance(), True: _Acceptance()})
-    made: _Acceptance = field(default_factory=_Acceptance)  # proposals with drafts / proposals
-    positions: dict[bool, _Positions] = field(default_factory=lambda: {False: _Positions(), True: _Positions()})
-    # Drafts offered before the plan (an in-process index asked every step): positions by the
-    # length offered, per kind. A suffix index's 1-token drafts (a 1-token match) were accepted
-    # 0.19 per token on chat, its 8-token ones 0.74 (12 chat prompts, k 8, EPYC family 25).
-    by_length: dict[bool, dict[int, _Positions]] = field(default_factory=lambda: {False: {}, True: {}})
-
-    one_forward: bool = False  # all k drafts from one forward (parallel drafting): a call costs one step
-
-    def seconds(self, num_seqs: int, k: int) -> float:
-        """Expected wait for drafts: k draft steps over num_seqs sequences, less what was drafted ahead."""
-        if k <= 0:
-            return 0.0
-        steps = 1 if self.one_forward else k
-        return (1 - self.hit_rate) * self.cost(num_seqs) * steps + self.hit_rate * self.hit_wait
-
-
-@dataclass
-class _SeqDrafter:
-    acceptance: _Acceptance = field(default_factory=_Acceptance)
-    made: _Acceptance = field(default_factory=_Acceptance)
-    tries: int = 0  # proposals asked of this drafter for this sequence
-
-
 class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
         self.verify_cost = VerifyCost()
-        self.drafters: dict[str | None, _Drafter] = {}  # None: the one proposer of an engine
+        self.drafters: dict[str | None, DrafterStats] = {}  # None: the one proposer of an engine
         self._ranked_by: dict[tuple[int, int], list] = {}  # this plan's drafters per (sequence, k): _ranked
         self._curves: dict[tuple, list] = {}  # this plan's position curves per (drafter, kind): _curve
-        self.per_seq: dict[int, dict[str | None, _SeqDrafter]] = {}
+        self.per_seq: dict[int, dict[str | None, SeqDrafterStats]] = {}
         self.current: dict[int, str | None] = {}  # the drafter each sequence drafted with last
         self.sampled: dict[int, bool] = {}  # sequences that sample (temperature > 0): note_sampling
         # Seconds of verify time not yet spent on exploring, per drafter (each earns an equal share
@@ -199,10 +92,10 @@ class SpecController:
         """Set every drafter's exploration budget (tests: a controller starts with none)."""
         self.explore_credit = defaultdict(lambda: seconds)
 
-    def drafter(self, name: str | None = None) -> _Drafter:
+    def drafter(self, name: str | None = None) -> DrafterStats:
         d = self.drafters.get(name)
-        if d is None:  # not setdefault: that builds a _Drafter on every call, and plan() calls this often
-            d = self.drafters[name] = _Drafter()
+        if d is None:  # not setdefault: that builds a DrafterStats on every call, and plan() calls this often
+            d = self.drafters[name] = DrafterStats()
         return d
 
     def choose(self, seqs: list[tuple[int, int, int | None]], base_tokens: int) -> list[int]:
@@ -285,7 +178,7 @@ class SpecController:
         for sampled in kinds:
             prior = self._alpha_prior_of(d, sampled)
             for length in range(1, cap + 1):
-                positions = d.by_length[sampled].get(length) or _Positions()
+                positions = d.by_length[sampled].get(length) or Positions()
                 accepted = positions.chain(length, prior, d.positions[sampled])[length]
                 step_s = self.verify_cost(base_tokens + length)
                 if accepted * step_s >= num_seqs * (step_s - plain_s):
@@ -403,7 +296,7 @@ class SpecController:
             return alpha_prior, made_prior
         return mine.acceptance.alpha(alpha_prior), mine.made.alpha(made_prior)
 
-    def _alpha_prior(self, sid: int, d: _Drafter) -> float:
+    def _alpha_prior(self, sid: int, d: DrafterStats) -> float:
         """The drafter's α over all sequences of this one's kind. A sampled sequence's prior starts
         from what greedy ones accepted, not from PRIOR_ALPHA: a draft is accepted less often under
         sampling, and a sampled batch that started from 0.6 speculated on 3,540 draft-model steps
@@ -411,7 +304,7 @@ class SpecController:
         return self._alpha_prior_of(d, self.sampled.get(sid, False))
 
     @staticmethod
-    def _alpha_prior_of(d: _Drafter, sampled: bool) -> float:
+    def _alpha_prior_of(d: DrafterStats, sampled: bool) -> float:
         greedy = d.acceptance[False].alpha(PRIOR_ALPHA)
         return d.acceptance[True].alpha(greedy) if sampled else greedy
 
@@ -443,7 +336,7 @@ class SpecController:
         if chain is None:
             d = self.drafter(name)
             prior = self._alpha_prior(sid, d)
-            positions = d.by_length[sampled].get(length) or _Positions()
+            positions = d.by_length[sampled].get(length) or Positions()
             chain = self._curves[name, sampled, length] = [
                 (accepted / geometric if (geometric := expected_tokens(prior, j) - 1.0) > 1e-9 else None)
                 for j, accepted in enumerate(positions.chain(length, prior, d.positions[sampled]))]
@@ -549,7 +442,7 @@ class SpecController:
         self.current[seq_id] = name
         if made and drafted is not None and asked is not None:
             self.drafter(name).positions[self.sampled.get(seq_id, False)].observe_drafted(drafted, asked)
-        mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, _SeqDrafter())
+        mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, SeqDrafterStats())
         mine.tries += 1
         for acc in (mine.made, self.drafter(name).made):
             acc.observe(float(made), 1.0)
@@ -561,13 +454,13 @@ class SpecController:
         if num_draft == 0:
             return
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
-        mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, _SeqDrafter())
+        mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, SeqDrafterStats())
         sampled = self.sampled.get(seq_id, False)
         for acc in (mine.acceptance, self.drafter(name).acceptance[sampled]):
             acc.observe(num_accepted, trials)
         self.drafter(name).positions[sampled].observe_accept(num_draft, num_accepted)
         if offered:
-            self.drafter(name).by_length[sampled].setdefault(offered, _Positions()).observe_accept(num_draft, num_accepted)
+            self.drafter(name).by_length[sampled].setdefault(offered, Positions()).observe_accept(num_draft, num_accepted)
 
     def note_sampling(self, seq_id: int, sampled: bool) -> None:
         """Whether this sequence samples (its acceptance counts towards the drafter's sampled prior)."""
