@@ -8,27 +8,11 @@ import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_verifier_drafters import MODEL, SNIPPETS, TARGET_DIR, _drafters, _wait, generate_all
+# The same prompts and offline greedy reference as the service drafters' tests (module fixtures).
+from test_verifier_drafters import TARGET_DIR, _drafters, _wait, generate_all, prompts, reference, tokenizer  # noqa: F401
 
-from specd.models.tokenizer import Tokenizer
-from specd.models.demo_paths import demo_model_dir
-from specd.sampling import SamplingParams
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    tokenizer = Tokenizer.from_dir(demo_model_dir("target"))
-    return [tokenizer.encode(s) for s in SNIPPETS]
-
-
-@pytest.fixture(scope="module")
-def reference(prompts):
-    from specd.llm import LLM
-
-    outs = LLM(TARGET_DIR).generate(prompts, SamplingParams(temperature=0.0, max_tokens=48))
-    return [o.text for o in outs]
 
 
 @pytest.fixture(scope="module")
