@@ -17,7 +17,7 @@ import torch
 from specd import SamplingParams
 from specd.engine.speculator import Speculator
 from specd.kernels import tree_rejection_sampler as trs
-from specd.kernels.rejection_sampler import SpecDecodeMetadata, rejection_sample
+from specd.kernels.rejection_sampler import SpecDecodeMetadata, draw_from, rejection_sample
 from specd.proposers.base import Proposal
 from drafter_helpers import perturbed_copy, record_tree_paths
 
@@ -144,7 +144,8 @@ def test_greedy_walk_follows_the_matching_sibling():
     assert V > 7
 
 
-def test_chain_as_tree_takes_the_chain_samplers_decisions():
+@pytest.mark.parametrize("race", [False, True], ids=["inverse-cdf", "exp-race"])  # a CPU's draw, a GPU's
+def test_chain_as_tree_takes_the_chain_samplers_decisions(race):
     g = torch.Generator().manual_seed(0)
     B, V = 6, 12
     ks = [3, 0, 4, 2, 1, 3]
@@ -159,12 +160,11 @@ def test_chain_as_tree_takes_the_chain_samplers_decisions():
     probs /= probs.sum(-1, keepdim=True)
     argmax = probs.argmax(-1)
     uniforms = torch.rand(sum(ks), generator=g)
-    noise = torch.empty(B, V).exponential_(generator=g)
+    noise = torch.empty(B, V).exponential_(generator=g) if race else torch.rand(B, dtype=torch.float64, generator=g)
     chain = SpecDecodeMetadata.build(drafts, greedy, "cpu", q)
     draft_rows = [r for b, k in enumerate(ks) for r in range(sum(ks[:b]) + b, sum(ks[:b]) + b + k)]
     bonus_rows = [sum(ks[:b + 1]) + b for b in range(B)]
-    bonus = torch.where(torch.tensor(greedy), argmax[bonus_rows],
-                        (probs[bonus_rows] / noise).argmax(-1))
+    bonus = torch.where(torch.tensor(greedy), argmax[bonus_rows], draw_from(probs[bonus_rows], noise))
     ref = rejection_sample(chain, probs[draft_rows], argmax[draft_rows], bonus, uniforms, noise)
     tree = _meta(drafts, [trs.chain_parents(k) for k in ks], greedy, q)
     tokens, n_acc, _ = trs.tree_rejection_sample_ref(tree, probs, argmax, uniforms, noise)
@@ -196,7 +196,7 @@ def _draw_children(q: torch.Tensor, width: int, g) -> list[tuple[int, list[int],
     return out
 
 
-def _sample_trees(n: int, one_hot: bool, seed: int):
+def _sample_trees(n: int, one_hot: bool, seed: int, race: bool = False):
     """n independent steps: a tree of depth 2 (3 children of the root, 2 under each), target rows,
     randomness; returns (first emitted token, second or -1) per step, and the target."""
     g = torch.Generator().manual_seed(seed)
@@ -217,7 +217,8 @@ def _sample_trees(n: int, one_hot: bool, seed: int):
     meta = _meta(drafts, parents, [False] * n, None if one_hot else qs)
     probs = torch.cat(rows)
     uniforms = torch.rand(meta.draft_token_ids.shape[0], generator=g)
-    noise = torch.empty(n, V_SMALL).exponential_(generator=g)
+    noise = (torch.empty(n, V_SMALL).exponential_(generator=g) if race
+             else torch.rand(n, dtype=torch.float64, generator=g))
     tokens, _, _ = trs.tree_rejection_sample_ref(meta, probs, probs.argmax(-1), uniforms, noise)
     return tokens, p_root, p_after
 
@@ -230,8 +231,8 @@ def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     return stat, df * (1 - a + 4.753 * math.sqrt(a)) ** 3  # upper 1e-6 quantile (Wilson–Hilferty)
 
 
-def _tree_chi2(one_hot: bool, n: int = 6000) -> list[tuple[float, float]]:
-    tokens, p_root, p_after = _sample_trees(n, one_hot, seed=1 if one_hot else 2)
+def _tree_chi2(one_hot: bool, n: int = 6000, race: bool = False) -> list[tuple[float, float]]:
+    tokens, p_root, p_after = _sample_trees(n, one_hot, seed=1 if one_hot else 2, race=race)
     first = torch.tensor([t[0] for t in tokens])
     out = [_chi2(torch.bincount(first, minlength=V_SMALL).double(), p_root.double() * n)]
     # Given the first token y was an accepted node, the second follows p_after[y]: joint over (y, z).
@@ -244,9 +245,10 @@ def _tree_chi2(one_hot: bool, n: int = 6000) -> list[tuple[float, float]]:
     return out
 
 
+@pytest.mark.parametrize("race", [False, True], ids=["inverse-cdf", "exp-race"])
 @pytest.mark.parametrize("one_hot", [False, True])
-def test_sampled_tree_chi_square(one_hot):
-    for stat, critical in _tree_chi2(one_hot):
+def test_sampled_tree_chi_square(one_hot, race):
+    for stat, critical in _tree_chi2(one_hot, race=race):
         assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
 
 
