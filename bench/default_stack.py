@@ -7,7 +7,8 @@
 What runs, in this order, on one machine:
 1. `specd up --threads T` with nothing else set (the stack `make up` starts), and per workload
    (chat questions, code edits that repeat the prompt, summaries of a given text), temperature
-   and batch (B concurrent streams): plain (k = 0 in the request), the server's own choice (no
+   and batch (B concurrent streams; a batch-B cell sends max(B, --batch-prompts) prompts, B at a
+   time): plain (k = 0 in the request), the server's own choice (no
    `speculative` field) and plain again, --repeats times, interleaved; the server's ratio is its
    mean tok/s over the mean of the plain runs. Greedy rows also check that the server's choice gave
    plain's text for every request;
@@ -248,7 +249,10 @@ def main() -> None:
     ap.add_argument("--workloads", default="chat,code_edit,summarize")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--prompts", type=int, default=5, help="prompts per batch-1 cell; a batch-B cell sends B")
+    ap.add_argument("--prompts", type=int, default=5, help="prompts per batch-1 cell")
+    ap.add_argument("--batch-prompts", type=int, default=24,
+                    help="a batch-B cell sends max(B, this) prompts, B streams at a time (the summaries' greedy answers "
+                         "are ~30 tokens: 8 of them were a 1.6-s run, TTFT a fifth of it, too short for this machine's noise)")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (bench/build_llamacpp.sh)")
     ap.add_argument("--gguf", default=None, help="the GGUF of the same weights llama-server serves")
@@ -272,10 +276,10 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     info = machine_info(args.threads)
     t_start = time.time()
-    prompts = {w: workload(w, max(batches + [args.prompts])) for w in workloads}
+    prompts = {w: workload(w, max(batches + [args.prompts, args.batch_prompts])) for w in workloads}
 
     def cell_prompts(w: str, batch: int):
-        n = args.prompts if batch == 1 else batch
+        n = args.prompts if batch == 1 else max(batch, args.batch_prompts)
         return [prompts[w][i % len(prompts[w])] for i in range(n)]
 
     result = {"machine": info, "args": vars(args), "specd": {}, "rounds": {}}
@@ -350,7 +354,8 @@ def report(r: dict) -> str:
              "each other's answers), the official `openai` "
              f"client, streamed chat completions, up to {a['max_tokens']} tokens (sampled cells, T > 0: exactly "
              f"{a['max_tokens']} per stream, ignore_eos, as a sampled answer's length changes run to run); batch 1 sends {a['prompts']} "
-             "held-out prompts one after another, batch B sends B prompts as B concurrent streams. "
+             f"held-out prompts one after another, batch B sends max(B, {a.get('batch_prompts', 0)}) prompts, "
+             "B concurrent streams at a time (a stream that ends makes room for the next prompt). "
              "Plain = `speculative: {num_speculative_tokens: 0}` in the request; server's choice = no field. "
              f"Runs interleaved: plain, then {a.get('repeats', 1)} times server's choice and plain again; tok/s is a mode's "
              "mean over its runs, the ratio choice's mean over plain's, and 'runs' gives each choice run over the "
