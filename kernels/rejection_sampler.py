@@ -35,8 +35,8 @@ from specd.kernels.rejection_sampler_ref import (MODES, STRICT, SYNTHETIC, TYPIC
                                                 inverse_cdf, rejection_sample_ref)
 
 __all__ = ["MODES", "STRICT", "SYNTHETIC", "TYPICAL", "SpecDecodeMetadata", "RejectionSampleOutput",
-           "rejection_sample", "draw_randomness", "draw_from", "exp_noise", "exponential_race", "inverse_cdf", "target_rows", "cu_num_draft_of",
-           "to_token_lists"]
+           "rejection_sample", "draw_randomness", "draw_from", "exp_noise", "exponential_race", "inverse_cdf",
+           "target_rows", "cu_num_draft_of", "to_token_lists"]
 
 
 @dataclass
