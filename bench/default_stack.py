@@ -367,7 +367,7 @@ def report(r: dict) -> str:
     for key, cell in r["specd"].items():
         w, t, b = key.split(" ")
         p, d = cell["plain"], cell["default"]
-        n = a["prompts"] if b == "batch=1" else int(b.split("=")[1])
+        n = a["prompts"] if b == "batch=1" else max(int(b.split("=")[1]), a.get("batch_prompts", 0))
         lines.append(f"| {w} | {t[2:]} | {b[6:]} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {d['ratio']:.2f}x | "
                      f"{p['ttft_s']:.2f} / {d['ttft_s']:.2f} | {' '.join(f'{x:.2f}' for x in d.get('ratio_runs', []))} | "
                      f"{d['acceptance']:.2f} | "
