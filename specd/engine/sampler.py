@@ -150,17 +150,17 @@ class Sampler:
         # A sequence without drafts draws its token by the inverse CDF at one uniform whatever else
         # is in the step (so a seeded one consumes the same randomness alone or in any batch).
         plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
-        direct = None  # [B] their tokens
-        # Rows by index_select: advanced indexing copied 49k-wide rows ~10x slower on the 2-core EPYC.
-        bonus_probs = None if probs is None or spec.max_num_draft == 0 else probs.index_select(0, meta.bonus_rows)
+        plain_u = None  # [B] their uniforms (0 on other rows)
         if probs is not None and any(plain):
-            u = draw_row_uniforms(meta.generators, plain, logits.device, self.default_generator)
-            direct = inverse_cdf(probs if spec.max_num_draft == 0 else bonus_probs, u)
+            plain_u = draw_row_uniforms(meta.generators, plain, logits.device, self.default_generator)
         if spec.max_num_draft == 0:  # every row is a last row: no drafts to verify
-            tokens = greedy_tokens if direct is None else torch.where(spec.is_greedy, greedy_tokens, direct)
+            tokens = (greedy_tokens if plain_u is None
+                      else torch.where(spec.is_greedy, greedy_tokens, inverse_cdf(probs, plain_u)))
             return SamplerOutput([[t] for t in tokens.tolist()], [0] * len(meta.generators))
+        # Rows by index_select: advanced indexing copied 49k-wide rows ~10x slower on the 2-core EPYC.
+        bonus_probs = None if probs is None else probs.index_select(0, meta.bonus_rows)
         uniforms = noise = None
-        if any(meta.draws):  # sequences with drafts: their uniforms and noise row (others: 0 and 1)
+        if any(meta.draws):  # sequences with drafts: their uniforms and drawing randomness
             drafted = [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)]
             uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
                                               logits.device, self.default_generator, drafted)
@@ -168,12 +168,21 @@ class Sampler:
             # A step with a token tree verifies every sequence by the tree walk (a chain is the
             # tree [-1, 0, 1, ..]: the same decisions), which draws its last token itself.
             tokens, n_acc, paths = tree_rejection_sample_ref(spec, probs, greedy_tokens, uniforms, noise)
-            if direct is not None:
-                tokens = [[t] if p else ts for ts, p, t in zip(tokens, plain, direct.tolist())]
+            if plain_u is not None:
+                direct = inverse_cdf(bonus_probs, plain_u).tolist()
+                tokens = [[t] if p else ts for ts, p, t in zip(tokens, plain, direct)]
             return SamplerOutput(tokens, n_acc, paths)
-        bonus = self.sample_target(greedy_tokens[meta.bonus_rows], bonus_probs, spec.is_greedy, noise)
-        if direct is not None:
-            bonus = torch.where(torch.tensor(plain, device=logits.device), direct, bonus)
+        if plain_u is None:
+            bonus = self.sample_target(greedy_tokens[meta.bonus_rows], bonus_probs, spec.is_greedy, noise)
+        else:
+            is_plain = torch.tensor(plain, device=logits.device)
+            if noise.dim() == 1:  # drafted rows draw by the inverse CDF too: one pass over the bonus rows
+                bonus = self.sample_target(greedy_tokens[meta.bonus_rows], bonus_probs, spec.is_greedy,
+                                           torch.where(is_plain, plain_u, noise))
+            else:
+                bonus = torch.where(is_plain, inverse_cdf(bonus_probs, plain_u),
+                                    self.sample_target(greedy_tokens[meta.bonus_rows], bonus_probs,
+                                                       spec.is_greedy, noise))
         out = rejection_sample(spec, None if probs is None else probs.index_select(0, meta.draft_rows),
                                greedy_tokens[meta.draft_rows], bonus, uniforms, noise)
         return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())

@@ -143,3 +143,21 @@ def test_seeded_row_is_independent_of_the_batch():
 
     alone = tokens(0, 0)
     assert tokens(3, 1) == alone and tokens(5, 2) == alone
+
+
+def test_seeded_row_without_drafts_draws_alike_beside_drafted_rows():
+    """A seeded row without drafts takes the inverse CDF at its own uniform whether the step is
+    plain or others in it have drafts (the drafted rows' uniforms join its own in one draw)."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    row = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+
+    def token(others: int, seed: int) -> int:
+        other = [SamplingParams(temperature=1.0)] * others
+        meta = SamplingMetadata.build([params] + other, CPU, [make_generator(seed, CPU)] + [None] * others,
+                                      drafts=[[]] + [[3, 4]] * others)
+        rows = torch.cat([row, torch.randn(3 * others, 50)])
+        return Sampler(CPU, seed=others)(rows, meta).token_ids[0][0]
+
+    for seed in range(20):
+        assert token(2, seed) == token(0, seed) == token(4, seed), seed
+    assert len({token(2, seed) for seed in range(20)}) > 3  # the seed decides, not the batch
