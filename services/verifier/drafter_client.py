@@ -24,6 +24,9 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 log = logging.getLogger("specd.verifier.pool")
 
 MAX_MISSES = 2  # deadlines missed in a row before a drafter is taken out of rotation
+# A round trip no step waits for (a catch-up on new histories, DrafterPool._ask) gets this many
+# propose deadlines; missing it takes the drafter out of rotation at once.
+BACKGROUND_DEADLINES = 4
 RECONNECT_MIN_S, RECONNECT_MAX_S = 0.2, 5.0
 
 
@@ -125,6 +128,8 @@ class DrafterClient:
         self.rtt_s: deque[float] = deque(maxlen=512)
         self.proposals = self.timeouts = self.violations = 0
         self._late: deque[int] = deque(maxlen=64)  # batch ids whose deadline passed: a reply may still come
+        self.background: asyncio.Task | None = None  # the newest round trip no step waits for
+        self._write_lock = asyncio.Lock()
         self.on_rtt = None  # metrics hook: fn(seconds)
         self.rank = 0  # the pool's default choice goes to the lowest rank among healthy drafters
 
@@ -186,7 +191,15 @@ class DrafterClient:
         except Exception as e:  # noqa: BLE001 — any stream failure: out of rotation, reconnect
             self.mark_broken(e)
 
-    async def round_trip(self, batch: drafter_pb2.ProposeBatch, warmup: bool = False) -> drafter_pb2.ProposalBatch:
+    @property
+    def catching_up(self) -> bool:
+        """Whether a background round trip is still unanswered (replies come in order: the newest)."""
+        return self.background is not None and not self.background.done()
+
+    async def round_trip(self, batch: drafter_pb2.ProposeBatch, warmup: bool = False,
+                         background: bool = False) -> drafter_pb2.ProposalBatch:
+        """warmup: the first round trip of a stream; background: one no step waits for. Both get a
+        longer deadline, and missing it takes the drafter out of rotation at once; neither is timed."""
         if self._call is None:
             raise ConnectionError("no open Propose stream")
         batch.batch_id = next(self._batch_ids)
@@ -195,20 +208,24 @@ class DrafterClient:
         t0 = time.perf_counter()
         # The write runs as its own task and the deadline only waits on the reply: a write
         # stuck on a dead peer must not hold the step (wait_for would wait for its cancel).
-        writer = asyncio.ensure_future(self._call.write(batch))
+        writer = asyncio.ensure_future(self._write(self._call, batch))
         writer.add_done_callback(_consume_exception)
-        done, _ = await asyncio.wait({future}, timeout=max(self.timeout_s, 5.0) if warmup else self.timeout_s)
+        timeout = (max(self.timeout_s, 5.0) if warmup else self.timeout_s * BACKGROUND_DEADLINES if background
+                   else self.timeout_s)
+        done, _ = await asyncio.wait({future}, timeout=timeout)
         if not done:
             self._pending.pop(batch.batch_id, None)
             self._late.append(batch.batch_id)
             self.timeouts += 1
             self._misses += 1
-            if warmup or self._misses >= MAX_MISSES or not writer.done():
+            if warmup or background or self._misses >= MAX_MISSES or not writer.done():
                 self.mark_broken(TimeoutError(f"missed {self._misses} propose deadline(s) of "
-                                              f"{self.timeout_s * 1e3:.0f} ms in a row"))
+                                              f"{timeout * 1e3:.0f} ms in a row"))
             raise TimeoutError("propose deadline missed")
         reply = future.result()  # raises when the stream broke meanwhile
         self._misses = 0
+        if background:
+            return reply
         self.rtt_s.append(time.perf_counter() - t0)
         if not warmup:
             self._breaks = 0
@@ -216,6 +233,11 @@ class DrafterClient:
             if self.on_rtt is not None:
                 self.on_rtt(self.rtt_s[-1])
         return reply
+
+    async def _write(self, call, batch: drafter_pb2.ProposeBatch) -> None:
+        # One write at a time, in the order asked: a step's batch may follow background ones.
+        async with self._write_lock:
+            await call.write(batch)
 
     def mark_broken(self, error: BaseException) -> None:
         if self.state in ("removed", "unhealthy"):

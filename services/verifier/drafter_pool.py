@@ -262,6 +262,27 @@ class DrafterPool:
         return out
 
     async def _ask(self, client: DrafterClient, requests: list[ProposeRequest]) -> list[Proposal]:
+        """The drafter's proposals for these sequences, within the propose deadline; except where it
+        reads a new history (first contact, resync: a model drafter computes the whole prompt, ~40 ms
+        a sequence on one core here, past the deadline when several arrive together) or is still
+        reading one: then the batch goes in the background, the step does not wait, and the
+        sequences draft from the next step after the drafter has caught up (deferred proposals).
+        Token-only drafters: a hidden-state drafter's features are read from the sequences as
+        the message is built, which the engine thread may meanwhile extend."""
+        fresh = any(r.full_history for r in requests)
+        if client.feature_layers or not (fresh or client.catching_up):
+            return await self._round_trips(client, requests)
+        # A new history at k 1 (its catch-up forward, whose draft is dropped), the others' new
+        # tokens at k 0 (no forward): the stream keeps them in order behind what it is reading.
+        quiet = [replace(r, k=min(r.k, 1) if r.full_history else 0) for r in requests]
+        task = asyncio.get_running_loop().create_task(self._round_trips(client, quiet, background=True))
+        client.background = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return [Proposal(seq_id=r.seq_id, token_ids=[], drafter=client.name, deferred=True) for r in requests]
+
+    async def _round_trips(self, client: DrafterClient, requests: list[ProposeRequest],
+                           background: bool = False) -> list[Proposal]:
         # traceparent: the engine step's span (the step runs in a copy of the loop's context)
         batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases,
                                          traceparent=current_traceparent())
@@ -278,14 +299,14 @@ class DrafterPool:
                 for p in pieces:
                     if depth < len(p) - 1:
                         feature_bytes += _add_entry(lead, p[depth], 0)
-                for p in (await client.round_trip(lead)).proposals:
+                for p in (await client.round_trip(lead, background=background)).proposals:
                     if p.resync and p.history_held:
                         held.setdefault(p.seq_id, p.history_held)
             for p in pieces:
                 feature_bytes += _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
             if self.metrics is not None and feature_bytes:
                 self.metrics.propose_feature_bytes.labels(client.name).inc(feature_bytes)
-            reply = await client.round_trip(batch)
+            reply = await client.round_trip(batch, background=background)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — timeout, dead drafter, broken stream
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise

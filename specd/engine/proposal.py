@@ -73,6 +73,9 @@ class Proposal:
     history_held: int = 0  # with resync after a late features_from: leading pairs the head holds
     drafter: str | None = None  # set by the verifier's drafter pool: which service answered
     cached: bool = False  # pipelined drafting: drafted ahead, taken from the draft cache
+    # A verifier's pool: the history went to the drafter, which takes it in the background (it is
+    # catching up on a new sequence's history); no drafts this step, and no resync either.
+    deferred: bool = False
     # Asked for with ProposeRequest.alternatives (chains only), never sent over the wire:
     draft_probs: list[float] | None = None  # the drafter's probability of each draft
     alternatives: list[list[tuple[int, float]]] | None = None  # per draft: next-best (token, prob)

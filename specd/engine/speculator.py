@@ -211,15 +211,19 @@ class Speculator:
         """Which drafter answered each sequence and whether it drafted; the call's time per drafter.
         Drafters of one call answer concurrently: each is charged the whole call (an upper bound).
         An answer without drafts (a suffix index without a match) costs its round trip and is
-        timed; a drafter that did not answer (past its deadline, down, out of sync: resync) says
-        nothing about its cost: timed, one 250 ms deadline would price drafting out for long
-        after the drafter recovered."""
+        timed; a drafter that did not answer (past its deadline, down, out of sync: resync) or
+        took the history in the background (deferred: it is catching up) says nothing about its
+        cost: timed, one 250 ms deadline would price drafting out for long after the drafter
+        recovered."""
         asked = {r.seq_id: r.k for r in requests}
         by_drafter: dict[str | None, list] = defaultdict(list)
         for p in proposals:
             if p.resync or p.seq_id not in asked:
                 continue
             name = p.drafter or self.config.method
+            if p.deferred:  # it holds the history now: the next ask sends only what comes after
+                self.controller.current[p.seq_id] = name
+                continue
             drafted = _depth(p.parents) if p.token_ids and p.parents else len(p.token_ids)
             self.controller.observe_proposal(p.seq_id, name, bool(p.token_ids), drafted, asked[p.seq_id])
             by_drafter[name].append(p)

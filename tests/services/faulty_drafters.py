@@ -1,7 +1,7 @@
 """Misbehaving drafters, as real gRPC servers on loopback, for the pool's robustness tests.
 
 They speak the real protocol (Info with the target's vocabulary, the bidi Propose stream)
-but answer with garbage, lies or floods, or never answer.
+but answer with garbage, lies or floods, or never answer, or take too long to read a history.
 """
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ GARBAGE_MODES = ("out_of_vocab", "negative", "too_many", "wrong_seq_ids", "bad_q
 # ids, a reply larger than any real one, a flood of replies nobody asked for.
 HOSTILE_MODES = ("lying_q", "huge", "oversized", "flood")
 LIE = 1e-6  # the q a lying drafter claims for its own draft
+CATCH_UP_S = 0.4  # slow_catch_up: the time it takes to read a new history (the deadline is 0.25 s)
 
 
 class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, mode: str, vocab_size: int, vocab_hash: str, secret: str | None = None):
         self.mode, self.vocab_size, self.vocab_hash, self.secret = mode, vocab_size, vocab_hash, secret
-        self.batches = 0
+        self.batches = self.catch_ups = 0
         self.stop = threading.Event()
         self.history: dict[tuple[str, int], list[int]] = {}
         if mode == "oversized":  # ~24 MB, built before the first call so every reply comes fast
@@ -46,6 +47,12 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
             if self.mode == "hang" and batch.entries:
                 self.stop.wait(3600)  # never answers a real batch (answers the empty warm-up)
                 return
+            if self.mode == "hang_after_catch_up" and any(e.k > 0 and not e.full_history for e in batch.entries):
+                self.stop.wait(3600)  # reads histories, then never answers a request for drafts
+                return
+            if self.mode in ("slow_catch_up", "hang_after_catch_up"):
+                yield self._slow_catch_up(batch)
+                continue
             if self.mode in HOSTILE_MODES:
                 yield from self._hostile(batch)
             else:
@@ -86,6 +93,18 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
             if h[j] == last:
                 return (h[j + 1:j + 1 + e.k] + [last] * e.k)[:e.k]
         return [last] * e.k
+
+    def _slow_catch_up(self, batch):
+        """Honest drafts, but a new history takes CATCH_UP_S to read (a model drafter computing a
+        long prompt on a busy core): longer than the verifier's propose deadline."""
+        if any(e.full_history for e in batch.entries):
+            self.catch_ups += 1
+            time.sleep(CATCH_UP_S if self.mode == "slow_catch_up" else 0)
+        out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id)
+        for e in batch.entries:
+            drafts = self._copy(batch.client_id, e)
+            out.proposals.add(seq_id=e.seq_id, token_ids=drafts or [], resync=drafts is None)
+        return out
 
     def _answer(self, batch):
         out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id)

@@ -74,10 +74,12 @@ def test_a_stopped_verifier_gives_503_within_the_deadline(stack):
 def test_a_hung_engine_step_turns_health_not_serving(stack):
     stub = pbg.VerifierStub(grpc.insecure_channel(stack["verifier"].address))
     info = stub.Info(pb.InfoRequest(), timeout=30)
-    server, servicer, address = start_faulty("hang", info.vocab_size, info.vocab_hash)
+    # It reads a history at once (which goes in the background), then hangs on the first request for
+    # drafts, which a step waits for.
+    server, servicer, address = start_faulty("hang_after_catch_up", info.vocab_size, info.vocab_hash)
     stub.RegisterDrafter(pb.RegisterDrafterRequest(name="hang", address=address), timeout=30)
     try:
-        body = {"prompt": "def f", "max_tokens": 6, "temperature": 0,  # room to draft (k <= max_tokens - 2)
+        body = {"prompt": "def f", "max_tokens": 16, "temperature": 0,  # room to draft (k <= max_tokens - 2)
                 "speculative": {"num_speculative_tokens": 4, "drafter": "hang"}}
         with ThreadPoolExecutor(1) as ex:
             pending = ex.submit(httpx.post, f"{stack['base']}/v1/completions", json=body, timeout=120)
