@@ -128,7 +128,8 @@ class DrafterClient:
         self.rtt_s: deque[float] = deque(maxlen=512)
         self.proposals = self.timeouts = self.violations = 0
         self._late: deque[int] = deque(maxlen=64)  # batch ids whose deadline passed: a reply may still come
-        self.background: asyncio.Task | None = None  # the newest round trip no step waits for
+        self.background: asyncio.Task | None = None  # the newest round trip reading new histories in the background
+        self.read_s_per_token: float | None = None  # how fast it last read new histories (DrafterPool._ask)
         self._write_lock = asyncio.Lock()
         self.on_rtt = None  # metrics hook: fn(seconds)
         self.rank = 0  # the pool's default choice goes to the lowest rank among healthy drafters
@@ -190,6 +191,16 @@ class DrafterClient:
             raise
         except Exception as e:  # noqa: BLE001 — any stream failure: out of rotation, reconnect
             self.mark_broken(e)
+
+    def slow_to_read(self, tokens: int) -> bool:
+        """Whether reading `tokens` of new histories would take this drafter past half the propose
+        deadline, at the speed it last read one (not known yet: it would)."""
+        return self.read_s_per_token is None or self.read_s_per_token * tokens > self.timeout_s / 2
+
+    def observe_read(self, seconds: float, tokens: int) -> None:
+        """A round trip that read `tokens` of new histories took `seconds` (drafting included)."""
+        if tokens:
+            self.read_s_per_token = seconds / tokens
 
     @property
     def catching_up(self) -> bool:

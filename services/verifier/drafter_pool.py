@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+import time
 import uuid
 from dataclasses import replace
 
@@ -264,19 +265,22 @@ class DrafterPool:
     async def _ask(self, client: DrafterClient, requests: list[ProposeRequest]) -> list[Proposal]:
         """The drafter's proposals for these sequences, within the propose deadline; except where it
         reads a new history (first contact, resync: a model drafter computes the whole prompt, ~40 ms
-        a sequence on one core here, past the deadline when several arrive together) or is still
-        reading one: then the batch goes in the background, the step does not wait, and the
+        a sequence on one core here, past the deadline when several arrive together) that it would
+        not read within half the deadline at the speed it last read one (unknown: it would not), or
+        is still reading one: then the batch goes in the background, the step does not wait, and the
         sequences draft from the next step after the drafter has caught up (deferred proposals).
         Token-only drafters: a hidden-state drafter's features are read from the sequences as
         the message is built, which the engine thread may meanwhile extend."""
-        fresh = any(r.full_history for r in requests)
-        if client.feature_layers or not (fresh or client.catching_up):
+        reading = sum(len(r.new_tokens) for r in requests if r.full_history)
+        slow = reading and client.slow_to_read(reading)
+        if client.feature_layers or not (slow or client.catching_up):
             return await self._round_trips(client, requests)
         # A new history at k 1 (its catch-up forward, whose draft is dropped), the others' new
         # tokens at k 0 (no forward): the stream keeps them in order behind what it is reading.
         quiet = [replace(r, k=min(r.k, 1) if r.full_history else 0) for r in requests]
         task = asyncio.get_running_loop().create_task(self._round_trips(client, quiet, background=True))
-        client.background = task
+        if reading:  # (new tokens alone do not prolong the catching up: steps may come faster than replies)
+            client.background = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return [Proposal(seq_id=r.seq_id, token_ids=[], drafter=client.name, deferred=True) for r in requests]
@@ -289,6 +293,7 @@ class DrafterPool:
         client.releases = []
         # Every message stays under MAX_FEATURE_BYTES of features: each sequence gets its share.
         budget = MAX_FEATURE_BYTES // max(1, len(requests))
+        reading = sum(len(r.new_tokens) for r in requests if r.full_history)  # history tokens it reads
         pieces = [wire_pieces(r, client.feature_layers, budget) for r in requests]
         feature_bytes = 0
         held: dict[int, int] = {}  # a lead piece answered resync: the pairs the drafter holds
@@ -306,10 +311,14 @@ class DrafterPool:
                 feature_bytes += _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
             if self.metrics is not None and feature_bytes:
                 self.metrics.propose_feature_bytes.labels(client.name).inc(feature_bytes)
+            t0 = time.perf_counter()
             reply = await client.round_trip(batch, background=background)
+            client.observe_read(time.perf_counter() - t0, reading)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 — timeout, dead drafter, broken stream
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise
+            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+                client.observe_read(client.timeout_s, reading)  # at least that long: read in the background next time
             if not isinstance(e, (asyncio.TimeoutError, TimeoutError)):
                 client.mark_broken(e)
             # The drafter may or may not have applied these deltas: resend the full history.
