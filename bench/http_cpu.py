@@ -43,15 +43,25 @@ def threads_of(pid: int) -> list[str]:
 
 
 def stack_processes(root: int) -> dict[str, int]:
-    """The stack's services by role, from their command lines."""
-    import psutil
-
-    out = {}
-    for p in psutil.Process(root).children(recursive=True):
-        line = " ".join(p.cmdline())
+    """The stack's services by role, from their command lines (/proc: every descendant of root)."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    family, out = {root}, {}
+    for _ in range(4):  # up -> services (a wrapper process or two deep at most)
+        family |= {pid for pid, ppid in parent.items() if ppid in family}
+    for pid in sorted(family - {root}):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
         for role in ("verifier", "gateway", "drafter"):
             if f" {role}" in line and role not in out:
-                out[role] = p.pid
+                out[role] = pid
     return out
 
 
