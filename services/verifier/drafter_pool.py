@@ -274,26 +274,26 @@ class DrafterPool:
         reading = sum(len(r.new_tokens) for r in requests if r.full_history)
         slow = reading and client.slow_to_read(reading)
         if client.feature_layers or not (slow or client.catching_up):
-            return await self._round_trips(client, requests)
+            return await self._round_trips(client, requests, reading)
         # A new history at k 1 (its catch-up forward, whose draft is dropped), the others' new
         # tokens at k 0 (no forward): the stream keeps them in order behind what it is reading.
         quiet = [replace(r, k=min(r.k, 1) if r.full_history else 0) for r in requests]
-        task = asyncio.get_running_loop().create_task(self._round_trips(client, quiet, background=True))
+        task = asyncio.get_running_loop().create_task(self._round_trips(client, quiet, reading, background=True))
         if reading:  # (new tokens alone do not prolong the catching up: steps may come faster than replies)
             client.background = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return [Proposal(seq_id=r.seq_id, token_ids=[], drafter=client.name, deferred=True) for r in requests]
 
-    async def _round_trips(self, client: DrafterClient, requests: list[ProposeRequest],
+    async def _round_trips(self, client: DrafterClient, requests: list[ProposeRequest], reading: int,
                            background: bool = False) -> list[Proposal]:
+        """reading: the tokens of full histories among the requests (timed: DrafterClient.observe_read)."""
         # traceparent: the engine step's span (the step runs in a copy of the loop's context)
         batch = drafter_pb2.ProposeBatch(client_id=self.client_id, release=client.releases,
                                          traceparent=current_traceparent())
         client.releases = []
         # Every message stays under MAX_FEATURE_BYTES of features: each sequence gets its share.
         budget = MAX_FEATURE_BYTES // max(1, len(requests))
-        reading = sum(len(r.new_tokens) for r in requests if r.full_history)  # history tokens it reads
         pieces = [wire_pieces(r, client.feature_layers, budget) for r in requests]
         feature_bytes = 0
         held: dict[int, int] = {}  # a lead piece answered resync: the pairs the drafter holds
@@ -319,7 +319,7 @@ class DrafterPool:
                 raise
             if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
                 client.observe_read(client.timeout_s, reading)  # at least that long: read in the background next time
-            if not isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+            else:
                 client.mark_broken(e)
             # The drafter may or may not have applied these deltas: resend the full history.
             return [Proposal(seq_id=r.seq_id, token_ids=[], resync=True) for r in requests]

@@ -51,7 +51,7 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
                 self.stop.wait(3600)  # reads histories, then never answers a request for drafts
                 return
             if self.mode in ("slow_catch_up", "hang_after_catch_up"):
-                yield self._slow_catch_up(batch)
+                yield self._honest(batch, CATCH_UP_S if self.mode == "slow_catch_up" else 0.0)
                 continue
             if self.mode in HOSTILE_MODES:
                 yield from self._hostile(batch)
@@ -94,12 +94,12 @@ class FaultyDrafter(drafter_pb2_grpc.DrafterServicer):
                 return (h[j + 1:j + 1 + e.k] + [last] * e.k)[:e.k]
         return [last] * e.k
 
-    def _slow_catch_up(self, batch):
-        """Honest drafts, but a new history takes CATCH_UP_S to read (a model drafter computing a
-        long prompt on a busy core): longer than the verifier's propose deadline."""
+    def _honest(self, batch, read_s: float):
+        """Drafts that are sometimes right; a batch with a new history takes read_s to read (slow_catch_up:
+        a model drafter computing a long prompt on a busy core, longer than the propose deadline)."""
         if any(e.full_history for e in batch.entries):
             self.catch_ups += 1
-            time.sleep(CATCH_UP_S if self.mode == "slow_catch_up" else 0)
+            time.sleep(read_s)
         out = drafter_pb2.ProposalBatch(batch_id=batch.batch_id)
         for e in batch.entries:
             drafts = self._copy(batch.client_id, e)
