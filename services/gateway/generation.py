@@ -40,7 +40,7 @@ class Step:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    spec: dict | None  # speculation totals so far
+    spec: dict | None  # the request's speculation totals: on the last step (None before it)
     replica: int = 0  # the verifier replica that generated it
 
 

@@ -35,7 +35,7 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    spec: dict
+    spec: dict | None  # the request's speculation totals, on its last delta only (built per token otherwise)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, when asked
 
 
@@ -308,7 +308,7 @@ class AsyncEngine:
         req.sent, req.last_emit = end, now
         reason = seq.finish_reason if seq.is_finished else None
         req.queue.put_nowait(Delta(list(new), list(logprobs), reason, len(seq.prompt_token_ids),
-                                   end, seq.spec_stats.to_dict(), top))
+                                   end, seq.spec_stats.to_dict() if reason else None, top))
         if reason:
             self.requests.pop(req.request_id, None)
             if self.metrics is not None:

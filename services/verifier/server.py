@@ -61,11 +61,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                                    finish_reason=d.finish_reason or "",
                                                    prompt_tokens=d.prompt_tokens,
                                                    completion_tokens=d.completion_tokens)
-                chunk.spec.drafts = d.spec["drafts"]
-                chunk.spec.draft_tokens = d.spec["draft_tokens"]
-                chunk.spec.accepted_tokens = d.spec["accepted_tokens"]
-                chunk.spec.accepted_per_pos.extend(d.spec["accepted_per_pos"])
-                chunk.spec.drafts_by_drafter.update(d.spec["drafts_by_drafter"])
+                if d.spec is not None:  # the last chunk
+                    chunk.spec.drafts = d.spec["drafts"]
+                    chunk.spec.draft_tokens = d.spec["draft_tokens"]
+                    chunk.spec.accepted_tokens = d.spec["accepted_tokens"]
+                    chunk.spec.accepted_per_pos.extend(d.spec["accepted_per_pos"])
+                    chunk.spec.drafts_by_drafter.update(d.spec["drafts_by_drafter"])
                 if d.finish_reason and span.is_recording():
                     span.set_attributes({"gen_ai.usage.output_tokens": d.completion_tokens,
                                          "gen_ai.response.finish_reasons": [d.finish_reason],
