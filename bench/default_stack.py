@@ -386,6 +386,8 @@ def report(r: dict) -> str:
               "| llama-server plain | llama-server ngram | specd's choice / llama-server's best |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w, rounds in r.get("rounds", {}).items():
+        if not rounds:  # --rounds 0
+            continue
         mean = {k: statistics.mean(x[k] for x in rounds if k in x) for k in rounds[0]}
         ratio = {k: statistics.mean(x[k] / x["in_process"] for x in rounds) for k in ("specd_plain", "specd_plain_raw_sse")}
         has_llama = "llama_server_plain" in mean
