@@ -4,8 +4,9 @@
 // Why: a verify step samples from one row per draft plus one per sequence, each as wide as the
 // vocabulary (49,152 for SmolLM2). On the 2-core EPYC (1 thread) torch takes ~0.05 ms a row for
 // argmax (its index-returning reduction does not vectorise there) and ~0.1 ms for the inverse
-// CDF's float64 cumulative sum and search; a batch-8 step verifying 4 drafts each spent 2.4 ms in
-// the sampler greedy and 13.8 ms at T 0.7, against a ~35 ms forward (0.6 and 7.7 ms with these).
+// CDF's float64 cumulative sum and search; a batch-8 step verifying 4 drafts each spent 4.3 ms in
+// the sampler greedy and 30 ms at T 0.7, against a ~35 ms forward (0.75 and 9.2 ms with these:
+// bench/sampler_cpu.py, bench/results/sampler_cpu.md).
 // A softmax here (a polynomial exp, vectorised) was only 1.2x torch's, so torch keeps that one.
 //
 // Each row is computed alone, in one fixed order: a row's result is the same whatever rows are
