@@ -11,10 +11,10 @@
 // types with a minimum (w = scale q + min: min x activation scale x sum of the block's quantized x)
 // runs beside them in block order. The k-quants apply their 6-bit sub-block scales in integers first
 // (one fma per 256 weights, llama.cpp's way: 1.7-2x faster than a float step per 32). A row's result
-// depends on that row and W only, whatever the row count, tile or thread count. The AVX2 path and
-// the portable one (SPECD_QUANT_PORTABLE=1, what a CPU without AVX2 would run) compute exactly that,
-// bit for bit (tests/kernels/test_cpu_quant_matmul.py), and dequantize_rows gives the gguf
-// package's float32 values.
+// depends on that row and W only, whatever the row count, tile or thread count. The AVX-512 path
+// (two blocks of 32 per register), the AVX2 path and the portable one (SPECD_QUANT_PORTABLE=1, what
+// a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
+// test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values.
 //
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
@@ -596,6 +596,137 @@ void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* ou
 }
 #endif
 
+#if defined(SPECD_AVX512)
+// AVX-512: two blocks of 32 (two consecutive blocks of the 32-weight types, two sub-blocks of a
+// k-quant block) in one 512-bit register, so the integer work (unpacking, products) takes half the
+// instructions of the AVX2 path. What reaches the floats is the same: the 32-weight types convert
+// the two blocks' eight lane sums and take the AVX2 path's two fmas in block order; the k-quants add
+// the two halves' integer sums (exact in any order) before the block's one fma. So every result is
+// the AVX2 path's, bit for bit (tests/kernels/test_isa_builds.py, test_cpu_quant_matmul.py).
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m256i high_half(__m512i v) { return _mm512_extracti64x4_epi64(v, 1); }
+
+// Products of 4 pairs per int32 lane, |v| x (x with v's sign) for the signed types, as the AVX2 path.
+template <bool SIGNED>
+inline __m512i products16(__m512i v, __m512i x) {
+  if constexpr (SIGNED) {
+    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
+    return _mm512_maddubs_epi16(_mm512_abs_epi8(v), xs);
+  } else {
+    return _mm512_maddubs_epi16(v, x);
+  }
+}
+
+template <int T, int R>
+void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
+  using QT = Q<T>;
+  static_assert(QT::SUBS == 1, "the 32-weight types");
+  const int64_t nblk = xq.K / QT::BLOCK;
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  Sub s0[1], s1[1];
+  int64_t b = 0;
+  for (; b + 2 <= nblk; b += 2) {
+    const uint8_t* blk = w + b * QT::BYTES;
+    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+    for (int line = 0; line < 2 * QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    QT::subs(blk, s0);
+    QT::subs(blk + QT::BYTES, s1);
+    const __m512i v = join(values_avx2<T>(blk, 0), values_avx2<T>(blk + QT::BYTES, 0));
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + b * 32);
+      const float* dx = xq.drow(r0 + r) + b;
+      const __m512i p = _mm512_madd_epi16(products16<QT::SIGNED>(v, x), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0[0].lo * dx[0]), _mm256_cvtepi32_ps(_mm512_castsi512_si256(p)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1[0].lo * dx[1]), _mm256_cvtepi32_ps(high_half(p)), acc[r]);
+      if (!QT::SIGNED) {
+        const int32_t* xs = xq.srow(r0 + r) + b;
+        macc[r] = std::fma(s0[0].min * dx[0], static_cast<float>(xs[0]), macc[r]);
+        macc[r] = std::fma(s1[0].min * dx[1], static_cast<float>(xs[1]), macc[r]);
+      }
+    }
+  }
+  if (b < nblk) {  // an odd last block, as the AVX2 path takes it
+    const uint8_t* blk = w + b * QT::BYTES;
+    QT::subs(blk, s0);
+    const __m256i v = values_avx2<T>(blk, 0);
+    const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
+      const float dx = xq.drow(r0 + r)[b];
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x),
+                                          _mm256_set1_epi16(1));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0[0].lo * dx), _mm256_cvtepi32_ps(p), acc[r]);
+      if (!QT::SIGNED) macc[r] = std::fma(s0[0].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+}
+
+// Sub-blocks J and J+1 of a k-quant block against R rows: isum (16 int32 lanes; lane l and l + 8
+// are summed at the block's end) gains sc x the products, k_sub_avx2's integers for both.
+template <int T, int J, int R>
+inline void k_pair_avx512(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
+                          __m512i* isum) {
+  const __m512i s = join(lane_element16<J>(sc), lane_element16<J + 1>(sc));
+  if constexpr (T == Q6_K) {  // (q - 32) x as q x - 32 x, as k_sub_avx2
+    const __m512i qu = join(q6_unsigned_avx2(blk, J), q6_unsigned_avx2(blk, J + 1)), offset = _mm512_set1_epi8(32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
+      const __m512i p16 = _mm512_sub_epi16(_mm512_maddubs_epi16(qu, x), _mm512_maddubs_epi16(offset, x));
+      isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p16, s));
+    }
+    return;
+  }
+  const __m512i v = join(values_avx2<T>(blk, J), values_avx2<T>(blk, J + 1));
+  for (int r = 0; r < R; ++r) {
+    const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
+    isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(products16<Q<T>::SIGNED>(v, x), s));
+  }
+}
+
+template <int T, int R>
+void dot_k_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  KScalesAvx2 k;
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    kscales_avx2<T>(blk, k);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    k_pair_avx512<T, 0, R>(blk, k.sc, xq, r0, ib, isum);
+    k_pair_avx512<T, 2, R>(blk, k.sc, xq, r0, ib, isum);
+    k_pair_avx512<T, 4, R>(blk, k.sc, xq, r0, ib, isum);
+    k_pair_avx512<T, 6, R>(blk, k.sc, xq, r0, ib, isum);
+    for (int r = 0; r < R; ++r) {
+      const float dx = xq.drow(r0 + r)[ib];
+      const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), high_half(isum[r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(lanes), acc[r]);
+      if (!QT::SIGNED) {
+        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
+        const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
+        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+}
+#endif
+
 
 constexpr int ROWS = 4;  // rows of x per pass over the weight rows
 
@@ -617,7 +748,17 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
   for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
     const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
     float* o = out + r0 * ldo;
-#if defined(__AVX2__)
+#if defined(SPECD_AVX512)
+    if (!portable()) {
+      with_rows(R, [&](auto r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          if constexpr (Q<T>::BLOCK == 256) dot_k_avx512<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
+          else dot_tile_avx512<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
+        }
+      });
+      continue;
+    }
+#elif defined(__AVX2__)
     if constexpr (Q<T>::BLOCK == 256) {
       if (!portable()) {
         with_rows(R, [&](auto r) {

@@ -16,6 +16,8 @@
 #if defined(SPECD_EMULATE_AVX512)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#undef _mm512_madd_epi16  // SIMDe 0.7.4's alias of it takes the masked form's 4 arguments
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
 #define SPECD_AVX512 1
 #elif defined(__AVX512F__)
 #define SPECD_AVX512 1

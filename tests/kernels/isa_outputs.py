@@ -7,10 +7,12 @@ registers the same torch.ops.specd_cpu names):
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
-# (rows, K, N): decode rows and verify blocks, an odd K (a last half pair), N not a multiple of 16,
+# (rows, K, N) of the bf16 matmul: decode rows and verify blocks, an odd K (a last half pair), N not a multiple of 16,
 # wide outputs (the tiles' column loops) and many rows (the block tiles)
 LINEAR_SHAPES = [(1, 576, 1536), (2, 577, 47), (5, 64, 1000), (16, 960, 576), (33, 128, 130)]
 
@@ -30,6 +32,18 @@ def main(out: str, model_dirs: list[str]) -> None:
         w = torch.randn(n, k, generator=g).bfloat16()
         packed = torch.ops.specd_cpu.pack_linear_weight(w)
         res[f"linear {m}x{k}x{n}"] = torch.ops.specd_cpu.linear(x, packed, torch.randn(n, generator=g), n)
+    # The GGUF-quantized matmul, every type: K = 512 and, for the 32-weight types, 544 (an odd count
+    # of blocks, which the AVX-512 path, taking blocks in pairs, ends alone); 5 rows (a tile and one)
+    from test_cpu_quant_matmul import TYPES, blocks, packed_from
+    from specd.engine.quant import KERNEL_TYPES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for q in TYPES:
+            for k in (512, 544):
+                if k % KERNEL_TYPES[int(q)][0] == 0:
+                    packed = packed_from(Path(tmp), [(q, blocks(q, 37, k))])
+                    x = torch.randn(5, k, generator=g).bfloat16()
+                    res[f"linear quant {q.name} {k}"] = torch.ops.specd_cpu.quant_linear(x, packed, None, True)
     # The whole forward (decoder_stack, attention, norms, rotary): greedy with ngram drafts, so
     # verify blocks, mixed batches and prefill chunks all run.
     prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] * 2 for i in range(6)]

@@ -148,24 +148,28 @@ _PORTABLE_SCRIPT = """
 import sys, torch
 from specd.kernels import cpu_ops
 assert cpu_ops.available()
-p, x = torch.load(sys.argv[1])
-torch.save([torch.ops.specd_cpu.quant_linear(x, q, None, True) for q in p], sys.argv[2])
+torch.save([torch.ops.specd_cpu.quant_linear(x, q, None, True) for q, x in torch.load(sys.argv[1])], sys.argv[2])
 """
 
 
-def test_the_portable_path_gives_the_avx2_paths_bits(tmp_path):
-    """SPECD_QUANT_PORTABLE=1: the plain C++ that a CPU without AVX2 would run, bit for bit."""
+def test_the_portable_path_gives_the_simd_paths_bits(tmp_path):
+    """SPECD_QUANT_PORTABLE=1: the plain C++ that a CPU without AVX2 would run, bit for bit, against
+    this build's AVX2 or AVX-512 path; 544 = 17 blocks of 32, an odd count (the AVX-512 path takes
+    blocks in pairs)."""
     if cpu_ops.isa() is None:
         pytest.skip("no SIMD build here")
-    packs = [packed_from(tmp_path / q.name, [(q, blocks(q, 19, 512))]) for q in TYPES
-             if (tmp_path / q.name).mkdir() is None]
-    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
-    torch.save((packs, x), tmp_path / "in.pt")
+    cases = [(q, k) for q in TYPES for k in (512, 544) if k % KERNEL_TYPES[int(q)][0] == 0]
+    packs = [packed_from(tmp_path / f"{q.name}-{k}", [(q, blocks(q, 19, k))]) for q, k in cases
+             if (tmp_path / f"{q.name}-{k}").mkdir() is None]
+    g = torch.Generator().manual_seed(5)
+    xs = {k: torch.randn(6, k, generator=g).bfloat16() for k in (512, 544)}
+    inputs = [(p, xs[k]) for p, (_, k) in zip(packs, cases)]
+    torch.save(inputs, tmp_path / "in.pt")
     script = tmp_path / "run.py"
     script.write_text(_PORTABLE_SCRIPT)
     env = {**os.environ, "SPECD_QUANT_PORTABLE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for q, p, theirs in zip(TYPES, packs, torch.load(tmp_path / "out.pt")):
-        assert torch.equal(torch.ops.specd_cpu.quant_linear(x, p, None, True), theirs), q.name
+    for (q, k), (p, x), theirs in zip(cases, inputs, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(torch.ops.specd_cpu.quant_linear(x, p, None, True), theirs), (q.name, k)
