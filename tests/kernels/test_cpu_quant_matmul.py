@@ -152,10 +152,12 @@ torch.save([torch.ops.specd_cpu.quant_linear(x, q, None, True) for q, x in torch
 """
 
 
-def test_the_portable_path_gives_the_simd_paths_bits(tmp_path):
+@pytest.mark.parametrize("other", ["SPECD_QUANT_PORTABLE", "SPECD_CPU_VNNI"])
+def test_the_portable_path_gives_the_simd_paths_bits(tmp_path, other):
     """SPECD_QUANT_PORTABLE=1: the plain C++ that a CPU without AVX2 would run, bit for bit, against
     this build's AVX2 or AVX-512 path; 544 = 17 blocks of 32, an odd count (the AVX-512 path takes
-    blocks in pairs)."""
+    blocks in pairs). SPECD_CPU_VNNI=0: the AVX-512 path without AVX512-VNNI's dot product, where
+    this CPU has it (elsewhere the same path twice)."""
     if cpu_ops.isa() is None:
         pytest.skip("no SIMD build here")
     cases = [(q, k) for q in TYPES for k in (512, 544) if k % KERNEL_TYPES[int(q)][0] == 0]
@@ -167,7 +169,7 @@ def test_the_portable_path_gives_the_simd_paths_bits(tmp_path):
     torch.save(inputs, tmp_path / "in.pt")
     script = tmp_path / "run.py"
     script.write_text(_PORTABLE_SCRIPT)
-    env = {**os.environ, "SPECD_QUANT_PORTABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, other: "1" if other == "SPECD_QUANT_PORTABLE" else "0", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
