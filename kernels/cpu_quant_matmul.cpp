@@ -598,23 +598,26 @@ void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* ou
 
 #if defined(SPECD_AVX512)
 // AVX-512: two blocks of 32 (two consecutive blocks of the 32-weight types, two sub-blocks of a
-// k-quant block) in one 512-bit register, so the integer work (unpacking, products) takes half the
-// instructions of the AVX2 path. What reaches the floats is the same: the 32-weight types convert
-// the two blocks' eight lane sums and take the AVX2 path's two fmas in block order; the k-quants add
-// the two halves' integer sums (exact in any order) before the block's one fma. So every result is
-// the AVX2 path's, bit for bit (tests/kernels/test_isa_builds.py, test_cpu_quant_matmul.py).
+// k-quant block) in one 512-bit register, the products and their sums in half as many instructions
+// as the AVX2 path (bench/results/quant_avx512.md: 1.06-1.10x its decode on the 32-weight types, no
+// gain on the k-quants, whose unpacking stays in 256-bit halves). What reaches the floats is the
+// same: the 32-weight types convert the two blocks' eight lane sums and take the AVX2 path's two fmas
+// in block order; the k-quants add the two halves' integer sums (exact in any order) before the
+// block's one fma. So every result is the AVX2 path's, bit for bit (tests/kernels/test_isa_builds.py,
+// test_cpu_quant_matmul.py).
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 inline __m256i high_half(__m512i v) { return _mm512_extracti64x4_epi64(v, 1); }
 
-// Products of 4 pairs per int32 lane, |v| x (x with v's sign) for the signed types, as the AVX2 path.
+// The unsigned-times-signed byte products take |v| and x with v's sign for the signed types (as
+// the AVX2 path's _mm256_sign_epi8, which AVX-512 lacks).
+template <bool SIGNED> inline __m512i magnitude(__m512i v) { return SIGNED ? _mm512_abs_epi8(v) : v; }
+template <bool SIGNED> inline __m512i with_sign_of(__m512i x, __m512i v) {
+  return SIGNED ? _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x) : x;
+}
+// Products of pairs as int16 (maddubs), v x for the 32 bytes of each half.
 template <bool SIGNED>
 inline __m512i products16(__m512i v, __m512i x) {
-  if constexpr (SIGNED) {
-    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
-    return _mm512_maddubs_epi16(_mm512_abs_epi8(v), xs);
-  } else {
-    return _mm512_maddubs_epi16(v, x);
-  }
+  return _mm512_maddubs_epi16(magnitude<SIGNED>(v), with_sign_of<SIGNED>(x, v));
 }
 
 // AVX512-VNNI's vpdpbusd sums the same 4 products per int32 lane in one instruction (the pairs of
@@ -636,11 +639,7 @@ template <bool VNNI, bool SIGNED>
 inline __m512i sums4(__m512i v, __m512i x, __m512i ones) {
   if constexpr (VNNI) {
     __m512i acc = _mm512_setzero_si512();
-    __m512i u = v, s = x;
-    if constexpr (SIGNED) {
-      u = _mm512_abs_epi8(v);
-      s = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v), _mm512_setzero_si512(), x);
-    }
+    const __m512i u = magnitude<SIGNED>(v), s = with_sign_of<SIGNED>(x, v);
 #if !defined(SPECD_EMULATE_AVX512)
     asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
 #endif
