@@ -19,9 +19,7 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 
 namespace specd_cpu {
 namespace {
@@ -36,10 +34,7 @@ bool has_avx512_bf16() {
 #if defined(SPECD_EMULATE_AVX512)
   return false;  // the bf16 dot product is an instruction of the CPU's, not emulated
 #else
-  static const bool yes = [] {
-    const char* env = std::getenv("SPECD_CPU_BF16_DOT");
-    return __builtin_cpu_supports("avx512bf16") && !(env && std::string(env) == "0");
-  }();
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && !switched_off("SPECD_CPU_BF16_DOT");
   return yes;
 #endif
 }

@@ -451,38 +451,44 @@ inline float reduce8_avx2(__m256 a) {  // reduce8's tree: (l + l+4), then (0 + 2
   return _mm_cvtss_f32(q);
 }
 
+// One block of 32 (block b of a row) of a 32-weight type against R rows: the integer sums of 4
+// products per lane, then the lane-wise fma of the header.
+template <int T, int R>
+inline void block32_avx2(const uint8_t* blk, int64_t b, const QuantizedRows& xq, int64_t r0, __m256* acc, float* macc) {
+  using QT = Q<T>;
+  static_assert(QT::SUBS == 1, "the 32-weight types");
+  Sub s[1];
+  QT::subs(blk, s);
+  const __m256i v = values_avx2<T>(blk, 0);
+  const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;  // |v| for the signed types
+  for (int r = 0; r < R; ++r) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
+    const float dx = xq.drow(r0 + r)[b];
+    // x's sign follows v's for the signed types: |v| x sign(v) = v x
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x),
+                                        _mm256_set1_epi16(1));
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s[0].lo * dx), _mm256_cvtepi32_ps(p), acc[r]);
+    if (!QT::SIGNED) macc[r] = std::fma(s[0].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
+  }
+}
+
 template <int T, int R>
 void dot_tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
   using QT = Q<T>;
   const int64_t nblk = xq.K / QT::BLOCK;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   float macc[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
     macc[r] = 0.0f;
   }
-  Sub s[QT::SUBS];
   for (int64_t ib = 0; ib < nblk; ++ib) {
     const uint8_t* blk = w + ib * QT::BYTES;
     // The weights stream from memory once per step: ask for them ahead (into the next rows near a
     // row's end), as the bf16 kernel does; without it decode read ~10 GB/s, a third of the bf16 path's.
     const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
     for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    QT::subs(blk, s);
-    for (int j = 0; j < QT::SUBS; ++j) {
-      const int64_t b = ib * QT::SUBS + j;
-      const __m256i v = values_avx2<T>(blk, j);
-      const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;  // |v| for the signed types
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
-        const float dx = xq.drow(r0 + r)[b];
-        // x's sign follows v's for the signed types: |v| x sign(v) = v x
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s[j].lo * dx), _mm256_cvtepi32_ps(p), acc[r]);
-        if (!QT::SIGNED) macc[r] = std::fma(s[j].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
-      }
-    }
+    block32_avx2<T, R>(blk, ib, xq, r0, acc, macc);
   }
   for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
@@ -553,49 +559,6 @@ inline void k_sub_avx2(const uint8_t* blk, const __m256i sc, const QuantizedRows
   }
 }
 
-// The k-quants in AVX2, dot_k_portable's arithmetic: the sub-blocks' scales applied in int16 x
-// int16 -> int32 (madd), summed over the block in int32, one float fma per block. (Integer sums:
-// their order does not change them, so vectorising the scales and mins kept every bit.)
-template <int T, int R>
-void dot_k_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
-  using QT = Q<T>;
-  const int64_t nblk = xq.K / QT::BLOCK;
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
-  }
-  KScalesAvx2 k;
-  for (int64_t ib = 0; ib < nblk; ++ib) {
-    const uint8_t* blk = w + ib * QT::BYTES;
-    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
-    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    kscales_avx2<T>(blk, k);
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    k_sub_avx2<T, 0, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 1, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 2, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 3, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 4, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 5, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 6, R>(blk, k.sc, xq, r0, ib, isum);
-    k_sub_avx2<T, 7, R>(blk, k.sc, xq, r0, ib, isum);
-    for (int r = 0; r < R; ++r) {
-      const float dx = xq.drow(r0 + r)[ib];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      if (!QT::SIGNED) {
-        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
-        const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
-        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
-}
-#endif
-
 #if defined(SPECD_AVX512)
 // AVX-512: two blocks of 32 (two consecutive blocks of the 32-weight types, two sub-blocks of a
 // k-quant block) in one 512-bit register, the products and their sums in half as many instructions
@@ -620,6 +583,92 @@ inline __m512i products16(__m512i v, __m512i x) {
   return _mm512_maddubs_epi16(magnitude<SIGNED>(v), with_sign_of<SIGNED>(x, v));
 }
 
+// Sub-blocks J and J+1 of a k-quant block against R rows: isum (16 int32 lanes; lane l and l + 8
+// are summed at the block's end) gains sc x the products, k_sub_avx2's integers for both.
+template <int T, int J, int R>
+inline void k_pair_avx512(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
+                          __m512i* isum) {
+  const __m512i s = join(lane_element16<J>(sc), lane_element16<J + 1>(sc));
+  if constexpr (T == Q6_K) {  // (q - 32) x as q x - 32 x, as k_sub_avx2
+    const __m512i qu = join(q6_unsigned_avx2(blk, J), q6_unsigned_avx2(blk, J + 1)), offset = _mm512_set1_epi8(32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
+      const __m512i p16 = _mm512_sub_epi16(_mm512_maddubs_epi16(qu, x), _mm512_maddubs_epi16(offset, x));
+      isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p16, s));
+    }
+    return;
+  }
+  const __m512i v = join(values_avx2<T>(blk, J), values_avx2<T>(blk, J + 1));
+  for (int r = 0; r < R; ++r) {
+    const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
+    isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(products16<Q<T>::SIGNED>(v, x), s));
+  }
+}
+#endif
+
+// A k-quant block's integer sums against R rows, per lane l (0-7) sc x the products of k = 4l .. 4l+3
+// over its 8 sub-blocks: AVX-512 takes the sub-blocks in pairs and adds the two halves at the end.
+template <int T, int R>
+inline void k_block_sums(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
+                         __m256i* isum) {
+#if defined(SPECD_AVX512)
+  __m512i wide[R];
+  for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_si512();
+  k_pair_avx512<T, 0, R>(blk, sc, xq, r0, ib, wide);
+  k_pair_avx512<T, 2, R>(blk, sc, xq, r0, ib, wide);
+  k_pair_avx512<T, 4, R>(blk, sc, xq, r0, ib, wide);
+  k_pair_avx512<T, 6, R>(blk, sc, xq, r0, ib, wide);
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r]), high_half(wide[r]));
+#else
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+  k_sub_avx2<T, 0, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 1, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 2, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 3, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 4, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 5, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 6, R>(blk, sc, xq, r0, ib, isum);
+  k_sub_avx2<T, 7, R>(blk, sc, xq, r0, ib, isum);
+#endif
+}
+
+// The k-quants in AVX2 or AVX-512, dot_k_portable's arithmetic: the sub-blocks' scales applied in
+// int16 x int16 -> int32 (madd), summed over the block in int32, one float fma per block. (Integer
+// sums: their order does not change them, so vectorising the scales and mins kept every bit.)
+template <int T, int R>
+void dot_k_simd(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  KScalesAvx2 k;
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    kscales_avx2<T>(blk, k);
+    __m256i isum[R];
+    k_block_sums<T, R>(blk, k.sc, xq, r0, ib, isum);
+    for (int r = 0; r < R; ++r) {
+      const float dx = xq.drow(r0 + r)[ib];
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      if (!QT::SIGNED) {
+        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
+        const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
+        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+}
+#endif
+
+
+#if defined(SPECD_AVX512)
 // AVX512-VNNI's vpdpbusd sums the same 4 products per int32 lane in one instruction (the pairs of
 // maddubs never saturate here: |v| <= 128, |x| <= 127), where the CPU has it; inline assembly, not
 // the intrinsic, as for the bf16 dot product (cpu_bf16_matmul.cpp). SPECD_CPU_VNNI=0 turns it off.
@@ -627,10 +676,7 @@ bool has_avx512_vnni() {
 #if defined(SPECD_EMULATE_AVX512)
   return false;
 #else
-  static const bool yes = [] {
-    const char* env = std::getenv("SPECD_CPU_VNNI");
-    return __builtin_cpu_supports("avx512vnni") && !(env && std::string(env) == "0");
-  }();
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && !specd_simd::switched_off("SPECD_CPU_VNNI");
   return yes;
 #endif
 }
@@ -683,80 +729,11 @@ void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, floa
       }
     }
   }
-  if (b < nblk) {  // an odd last block, as the AVX2 path takes it
-    const uint8_t* blk = w + b * QT::BYTES;
-    QT::subs(blk, s0);
-    const __m256i v = values_avx2<T>(blk, 0);
-    const __m256i vu = QT::SIGNED ? _mm256_sign_epi8(v, v) : v;
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.qrow(r0 + r) + b * 32));
-      const float dx = xq.drow(r0 + r)[b];
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vu, QT::SIGNED ? _mm256_sign_epi8(x, v) : x),
-                                          _mm256_set1_epi16(1));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0[0].lo * dx), _mm256_cvtepi32_ps(p), acc[r]);
-      if (!QT::SIGNED) macc[r] = std::fma(s0[0].min * dx, static_cast<float>(xq.srow(r0 + r)[b]), macc[r]);
-    }
-  }
+  if (b < nblk) block32_avx2<T, R>(w + b * QT::BYTES, b, xq, r0, acc, macc);  // an odd last block
   for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
 
-// Sub-blocks J and J+1 of a k-quant block against R rows: isum (16 int32 lanes; lane l and l + 8
-// are summed at the block's end) gains sc x the products, k_sub_avx2's integers for both.
-template <int T, int J, int R>
-inline void k_pair_avx512(const uint8_t* blk, const __m256i sc, const QuantizedRows& xq, int64_t r0, int64_t ib,
-                          __m512i* isum) {
-  const __m512i s = join(lane_element16<J>(sc), lane_element16<J + 1>(sc));
-  if constexpr (T == Q6_K) {  // (q - 32) x as q x - 32 x, as k_sub_avx2
-    const __m512i qu = join(q6_unsigned_avx2(blk, J), q6_unsigned_avx2(blk, J + 1)), offset = _mm512_set1_epi8(32);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
-      const __m512i p16 = _mm512_sub_epi16(_mm512_maddubs_epi16(qu, x), _mm512_maddubs_epi16(offset, x));
-      isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p16, s));
-    }
-    return;
-  }
-  const __m512i v = join(values_avx2<T>(blk, J), values_avx2<T>(blk, J + 1));
-  for (int r = 0; r < R; ++r) {
-    const __m512i x = _mm512_loadu_si512(xq.qrow(r0 + r) + ib * 256 + 32 * J);
-    isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(products16<Q<T>::SIGNED>(v, x), s));
-  }
-}
 
-template <int T, int R>
-void dot_k_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
-  using QT = Q<T>;
-  const int64_t nblk = xq.K / QT::BLOCK;
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
-  }
-  KScalesAvx2 k;
-  for (int64_t ib = 0; ib < nblk; ++ib) {
-    const uint8_t* blk = w + ib * QT::BYTES;
-    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
-    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    kscales_avx2<T>(blk, k);
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    k_pair_avx512<T, 0, R>(blk, k.sc, xq, r0, ib, isum);
-    k_pair_avx512<T, 2, R>(blk, k.sc, xq, r0, ib, isum);
-    k_pair_avx512<T, 4, R>(blk, k.sc, xq, r0, ib, isum);
-    k_pair_avx512<T, 6, R>(blk, k.sc, xq, r0, ib, isum);
-    for (int r = 0; r < R; ++r) {
-      const float dx = xq.drow(r0 + r)[ib];
-      const __m256i lanes = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), high_half(isum[r]));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(lanes), acc[r]);
-      if (!QT::SIGNED) {
-        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
-        const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
-        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
-}
 #endif
 
 
@@ -780,31 +757,21 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
   for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
     const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
     float* o = out + r0 * ldo;
-#if defined(SPECD_AVX512)
+#if defined(__AVX2__)
     if (!portable()) {
-      const bool vnni = has_avx512_vnni();
-      with_rows(R, [&](auto r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          if constexpr (Q<T>::BLOCK == 256) dot_k_avx512<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
-          else if (vnni) dot_tile_avx512<T, decltype(r)::value, true>(w + c * ldw, xq, r0, o + c, ldo);
-          else dot_tile_avx512<T, decltype(r)::value, false>(w + c * ldw, xq, r0, o + c, ldo);
-        }
-      });
-      continue;
-    }
-#elif defined(__AVX2__)
-    if constexpr (Q<T>::BLOCK == 256) {
-      if (!portable()) {
-        with_rows(R, [&](auto r) {
-          for (int64_t c = 0; c < cols; ++c) dot_k_avx2<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
-        });
-        continue;
-      }
-    } else if (!portable()) {
       // One weight row at a time: two or four interleaved rows (more fma chains in flight) streamed
       // the weights 1.2-1.9x slower at batch 1 on the AVX2 EPYC (bench: all of a Q8_0 model's matmuls).
       with_rows(R, [&](auto r) {
-        for (int64_t c = 0; c < cols; ++c) dot_tile_avx2<T, decltype(r)::value>(w + c * ldw, xq, r0, o + c, ldo);
+        constexpr int RR = decltype(r)::value;
+        for (int64_t c = 0; c < cols; ++c) {
+          if constexpr (Q<T>::BLOCK == 256) dot_k_simd<T, RR>(w + c * ldw, xq, r0, o + c, ldo);
+#if defined(SPECD_AVX512)
+          else if (has_avx512_vnni()) dot_tile_avx512<T, RR, true>(w + c * ldw, xq, r0, o + c, ldo);
+          else dot_tile_avx512<T, RR, false>(w + c * ldw, xq, r0, o + c, ldo);
+#else
+          else dot_tile_avx2<T, RR>(w + c * ldw, xq, r0, o + c, ldo);
+#endif
+        }
       });
       continue;
     }

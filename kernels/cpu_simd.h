@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(SPECD_EMULATE_AVX512)
@@ -24,6 +25,13 @@
 #endif
 
 namespace specd_simd {
+
+// Whether environment variable `name` is "0": the switch that turns off an instruction the ops use
+// where the CPU has it (SPECD_CPU_BF16_DOT, SPECD_CPU_VNNI), for tests of the other path.
+inline bool switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::strcmp(env, "0") == 0;
+}
 
 using bf16 = c10::BFloat16;
 constexpr int64_t LANES = 16;
