@@ -4,6 +4,10 @@
                     as tensors, generators, and the drafts (SpecDecodeMetadata).
   draw_randomness   every uniform (and, on a GPU, Exp(1) row) the sequences with drafts
                     consume, drawn once, up front.
+  verify_chains     on a CPU, the greedy sequences and those that sample at a temperature alone
+                    with one-hot drafts: the fused walk (kernels/cpu_sampling_ops.cpp) decides
+                    what the path below decides, from the same randomness, reading a row only
+                    while its chain is accepted;
   Sampler           the target token of each sampled sequence from its last logits row:
                     argmax of the raw logits (greedy); for a sequence without drafts, the
                     inverse CDF at one uniform (plain decoding draws B numbers a step, not
@@ -15,7 +19,9 @@
                     uniforms and one more uniform (GPU: one noise row) with k drafts,
                     whatever else is in the step.
 Each seeded request draws from its own generator, so its tokens do not depend on what else
-is in the batch.
+is in the batch. (One exception on a CPU: a step holding a token tree takes the general path
+for every sequence, whose float32 probabilities round differently from the walk's weights, so
+a draw within ~1e-7 of the edge between two tokens may go the other way there.)
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 
 from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_from, draw_randomness, inverse_cdf,
                                              rejection_sample, target_rows, to_token_lists)
-from specd.kernels.sampling_ops import argmax_rows
+from specd.kernels.sampling_ops import argmax_rows, fused
 from specd.kernels.tree_rejection_sampler import tree_rejection_sample_ref
 from specd.sampling import SamplingParams
 
@@ -53,6 +59,9 @@ class SamplingMetadata:
     draws: list[bool]  # [B] host: which sequences draw randomness this step
     spec: SpecDecodeMetadata  # drafts (all num_draft 0 without speculation), greedy mask, mode
     any_greedy: bool = True  # host: some sequence is greedy (else no row needs the raw argmax)
+    # [B] host: greedy, or sampled at a temperature alone (no top-k, top-p, min-p) with one-hot drafts:
+    # what the fused walk of a CPU verifies (Sampler._chains)
+    walkable: list[bool] | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str,
@@ -82,7 +91,9 @@ class SamplingMetadata:
             draft_rows=tensor(draft_rows), bonus_rows=tensor(bonus_rows),
             generators=[None] * B if generators is None else list(generators),
             draws=[not g or (synthetic and bool(d)) for g, d in zip(greedy, drafts)],
-            spec=spec, any_greedy=any(greedy))
+            spec=spec, any_greedy=any(greedy),
+            walkable=[p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and not (draft_q and draft_q[b]))
+                      for b, p in enumerate(params)])
 
     @classmethod
     def from_batch(cls, batch, device: torch.device | str, **mode) -> SamplingMetadata:
@@ -142,28 +153,56 @@ class Sampler:
         spec = meta.spec
         if not meta.generators:  # only mid-prefill chunks in the step
             return SamplerOutput([], [])
+        # A sequence without drafts draws its token by the inverse CDF at one uniform whatever else
+        # is in the step (so a seeded one consumes the same randomness alone or in any batch).
+        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
+        plain_u = None  # [B] their uniforms (0 on other rows)
+        if not spec.all_greedy and any(plain):
+            plain_u = draw_row_uniforms(meta.generators, plain, logits.device, self.default_generator)
+        uniforms = noise = None
+        if spec.max_num_draft and any(meta.draws):  # sequences with drafts: their uniforms and drawing randomness
+            drafted = [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)]
+            uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
+                                              logits.device, self.default_generator, drafted)
+        chains = self._chains(logits, meta, noise)
+        if chains is not None and all(chains):
+            return verify_chains(logits, meta, chains, plain_u, uniforms, noise)
+        out = self._sample(logits, meta, plain, plain_u, uniforms, noise)
+        if chains is None or not any(chains):
+            return out
+        fused = verify_chains(logits, meta, chains, plain_u, uniforms, noise)
+        return SamplerOutput(*([f if c else t for f, t, c in zip(fused_part, torch_part, chains)]
+                               for fused_part, torch_part in zip(fused[:2], out[:2])))
+
+    @staticmethod
+    def _chains(logits: torch.Tensor, meta: SamplingMetadata, noise: torch.Tensor | None) -> list[bool] | None:
+        """Per sequence, whether the fused walk (verify_chains) verifies it: a CPU with the ops, the
+        strict chain sampler drawing by the inverse CDF, and a sequence that is greedy or samples at a
+        temperature alone with one-hot drafts (meta.walkable); None where no sequence can, or where
+        the step is greedy without drafts."""
+        spec = meta.spec
+        if not fused(logits) or spec.mode != "strict" or spec.has_tree or (noise is not None and noise.dim() != 1):
+            return None
+        if spec.all_greedy and spec.max_num_draft == 0:  # argmax_rows alone: the walk's setup would cost more
+            return None
+        return meta.walkable
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, plain: list[bool], plain_u: torch.Tensor | None,
+                uniforms: torch.Tensor | None, noise: torch.Tensor | None) -> SamplerOutput:
+        """Every sequence by the filtered probabilities of every row (the general path: top-k, top-p,
+        min-p, sparse q, trees, lossy modes, a GPU), with the step's randomness drawn by __call__."""
+        spec = meta.spec
         probs = None if spec.all_greedy else apply_sampling_filters(logits, meta)  # [R, V]
         # Greedy from the raw logits: softmax can round two close logits to one probability.
         # Without greedy sequences nothing reads it (a pass over every verify row).
         greedy_tokens = (argmax_rows(logits) if meta.any_greedy
                          else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))  # [R]
-        # A sequence without drafts draws its token by the inverse CDF at one uniform whatever else
-        # is in the step (so a seeded one consumes the same randomness alone or in any batch).
-        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
-        plain_u = None  # [B] their uniforms (0 on other rows)
-        if probs is not None and any(plain):
-            plain_u = draw_row_uniforms(meta.generators, plain, logits.device, self.default_generator)
         if spec.max_num_draft == 0:  # every row is a last row: no drafts to verify
             tokens = (greedy_tokens if plain_u is None
                       else torch.where(spec.is_greedy, greedy_tokens, inverse_cdf(probs, plain_u)))
             return SamplerOutput([[t] for t in tokens.tolist()], [0] * len(meta.generators))
         # Rows by index_select: advanced indexing copied 49k-wide rows ~10x slower on the 2-core EPYC.
         bonus_probs = None if probs is None else probs.index_select(0, meta.bonus_rows)
-        uniforms = noise = None
-        if any(meta.draws):  # sequences with drafts: their uniforms and drawing randomness
-            drafted = [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)]
-            uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
-                                              logits.device, self.default_generator, drafted)
         if spec.has_tree:
             # A step with a token tree verifies every sequence by the tree walk (a chain is the
             # tree [-1, 0, 1, ..]: the same decisions), which draws its last token itself.
@@ -186,6 +225,28 @@ class Sampler:
         out = rejection_sample(spec, None if probs is None else probs.index_select(0, meta.draft_rows),
                                greedy_tokens[meta.draft_rows], bonus, uniforms, noise)
         return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())
+
+
+def verify_chains(logits: torch.Tensor, meta: SamplingMetadata, which: list[bool], plain_u: torch.Tensor | None,
+                  uniforms: torch.Tensor | None, noise: torch.Tensor | None) -> SamplerOutput:
+    """The sequences in `which` verified by the fused walk over their rows (kernels/cpu_sampling_ops.cpp):
+    what _sample decides for them, from the same randomness, reading a row only while its chain of
+    drafts is still accepted (at T > 0 the softmax of every verify row was most of the sampler: 9 of
+    its 9.2 ms at batch 8 with 4 drafts on the 2-core EPYC)."""
+    spec, dev = meta.spec, logits.device
+    B = len(which)
+    draw_u = torch.zeros(B, dtype=torch.float64, device=dev)
+    if noise is not None:
+        draw_u = noise.double()
+    if plain_u is not None:
+        draw_u = torch.where(spec.num_draft == 0, plain_u, draw_u)
+    if uniforms is None:
+        uniforms = torch.zeros(spec.draft_token_ids.shape[0], device=dev)
+    temperature = torch.where(spec.is_greedy, 0.0, meta.temperature.index_select(0, meta.bonus_rows))
+    out, accepted = torch.ops.specd_cpu.verify_chains(
+        logits, meta.bonus_rows - spec.num_draft, spec.num_draft, spec.draft_token_ids, spec.cu_num_draft[:-1],
+        temperature.float(), uniforms, draw_u, torch.tensor(which, dtype=torch.bool))
+    return SamplerOutput(to_token_lists(out), accepted.tolist())
 
 
 def draw_row_uniforms(generators: Sequence[torch.Generator | None], draws: Sequence[bool], device,

@@ -1,4 +1,5 @@
-"""kernels/cpu_sampling_ops.cpp against torch: the sampler's argmax and inverse-CDF draw.
+"""kernels/cpu_sampling_ops.cpp against torch: the sampler's argmax and inverse-CDF draw, and the
+fused walk that verifies chains of drafts (verify_chains) against the sampler's torch path.
 
 The draws' distributions are tested through the sampler in test_rejection_sampler_distribution.py
 (chi-square, which runs these ops wherever they are built); here each op is checked to pick what
@@ -8,8 +9,10 @@ of the ops' chunks, a point u on a token's boundary, weights of 0.
 import pytest
 import torch
 
+from specd.engine.sampler import Sampler, SamplingMetadata, draw_randomness, draw_row_uniforms
 from specd.kernels import cpu_ops
 from specd.kernels.sampling_ops import inverse_cdf_torch
+from specd.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
 ops = torch.ops.specd_cpu
@@ -80,3 +83,75 @@ def test_bad_inputs_are_refused():
         ops.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="float64"):
         ops.inverse_cdf(torch.ones(2, 8), torch.zeros(2))
+
+
+def chain_step(seed: int, vocab: int, temperatures: list[float]) -> tuple[torch.Tensor, SamplingMetadata]:
+    """Logits of one verify step: sequence b has b % 5 drafts (0-4), each its row's sharp favourite
+    with probability 0.7 (so chains run on and stop), some tokens masked to -inf (a grammar's mask)."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = [torch.randint(0, vocab, (b % 5,), generator=g).tolist() for b in range(len(temperatures))]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), vocab, generator=g) * 3
+    logits[torch.rand(logits.shape, generator=g) < 0.05] = float("-inf")
+    row = 0
+    for d in drafts:
+        for j, t in enumerate(d):
+            if torch.rand(1, generator=g) < 0.7:
+                logits[row + j, t] = 25.0
+        row += len(d) + 1
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    return logits, SamplingMetadata.build(params, "cpu", drafts=drafts)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49155])
+def test_verify_chains_decides_what_the_torch_path_decides(vocab):
+    """Greedy and sampled sequences (T 0.7 and 1.3) in one step, from the same randomness: the walk
+    emits the torch path's tokens (softmax of every row, the rejection sampler) for every sequence.
+    Its weights are a polynomial exp of its own, so a point within ~1e-7 of a boundary could go the
+    other way; over these steps none does."""
+    for seed in range(40 if vocab < 49155 else 6):
+        logits, meta = chain_step(seed, vocab, [0.0, 0.7, 1.3, 0.7, 0.0, 0.7, 1.3, 0.7, 0.7, 0.0])
+        spec = meta.spec
+        walk = Sampler(torch.device("cpu"), seed=seed)
+        got = walk(logits, meta)
+        assert walk._chains(logits, meta, None) == [True] * 10  # the walk took every sequence
+        ref = Sampler(torch.device("cpu"), seed=seed)
+        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
+        plain_u = draw_row_uniforms(meta.generators, plain, "cpu", ref.default_generator)
+        uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, vocab, "cpu", ref.default_generator,
+                                          [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)])
+        want = ref._sample(logits, meta, plain, plain_u, uniforms, noise)
+        assert got.token_ids == want.token_ids and got.num_accepted == want.num_accepted, seed
+        assert 0 < sum(got.num_accepted) < sum(spec.num_draft_host)  # chains both ran on and stopped
+
+
+def test_verify_chains_greedy_is_argmax_rows_on_nan_and_masked_rows():
+    """A greedy chain keeps a draft iff it is argmax_rows' token, NaN and all -inf rows included
+    (plain greedy decoding takes argmax_rows: speculation must not change a greedy token)."""
+    logits = torch.randn(4, 100)
+    logits[0, 7] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 3] = logits[2, 9] = 50.0  # a tie: the first
+    meta = SamplingMetadata.build([SamplingParams(temperature=0.0)], "cpu", drafts=[[7, 0, 3]])
+    out = Sampler(torch.device("cpu"))(logits, meta)
+    assert out.token_ids == [[7, 0, 3, int(ops.argmax_rows(logits[3:]))]] and out.num_accepted == [3]
+
+
+def test_verify_chains_refuses_bad_inputs():
+    logits, meta = chain_step(0, 50, [0.7, 0.7])
+    spec = meta.spec
+    args = [logits, meta.bonus_rows - spec.num_draft, spec.num_draft, spec.draft_token_ids, spec.cu_num_draft[:-1],
+            torch.full((2,), 0.7), torch.zeros(spec.draft_token_ids.shape[0]), torch.zeros(2, dtype=torch.float64),
+            torch.ones(2, dtype=torch.bool)]
+    ops.verify_chains(*args)
+    bad_token = list(args)
+    bad_token[3] = torch.full_like(spec.draft_token_ids, 50)
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        ops.verify_chains(*bad_token)
+    bad_rows = list(args)
+    bad_rows[1] = args[1] + logits.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.verify_chains(*bad_rows)
+    bad_u = list(args)
+    bad_u[7] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="float64"):
+        ops.verify_chains(*bad_u)

@@ -18,6 +18,7 @@ import torch
 from chi2 import chi2_critical
 
 from specd.engine.sampler import Sampler, SamplingMetadata, apply_sampling_filters, make_generator
+from specd.kernels import cpu_ops
 from specd.kernels import rejection_sampler as rs
 from specd.sampling import SamplingParams
 
@@ -99,6 +100,23 @@ def test_emitted_tokens_follow_the_target(top_p, sparse, race):
     assert out.output_token_ids.shape == (TRIALS, 3)
     # >= 10^5 samples for the first and second emitted tokens; the bonus gets what reaches it.
     check_positions(out.output_token_ids, out.num_accepted, p, min_samples=[100_000, 100_000, 20_000])
+
+
+@pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
+def test_the_cpu_walk_emits_the_target():
+    """The engine's Sampler on a CPU verifies a sampled chain with one-hot drafts by the fused walk
+    (verify_chains: a row read only while its chain is accepted, the target's weights by its own
+    exp): the same check at T 0.7, with logits whose tempered softmax is p_1, p_2, p_3."""
+    assert cpu_ops.available()
+    p = target_rows(1.0)
+    logits = (0.7 * p.log()).repeat(TRIALS, 1)
+    meta = SamplingMetadata.build([SamplingParams(temperature=0.7)] * TRIALS, "cpu", drafts=[[0, 3]] * TRIALS)
+    sampler = Sampler(torch.device("cpu"), seed=5)
+    assert sampler._chains(logits, meta, torch.zeros(TRIALS, dtype=torch.float64)) == [True] * TRIALS
+    out = sampler(logits, meta)
+    width = max(len(t) for t in out.token_ids)
+    tokens = torch.tensor([t + [-1] * (width - len(t)) for t in out.token_ids])
+    check_positions(tokens, torch.tensor(out.num_accepted), p, min_samples=[100_000, 100_000, 20_000])
 
 
 def broken_first_token(args: dict, bug: str) -> torch.Tensor:
