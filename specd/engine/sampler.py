@@ -170,9 +170,9 @@ class Sampler:
         out = self._sample(logits, meta, plain, plain_u, uniforms, noise)
         if chains is None or not any(chains):
             return out
-        fused = verify_chains(logits, meta, chains, plain_u, uniforms, noise)
-        return SamplerOutput(*([f if c else t for f, t, c in zip(fused_part, torch_part, chains)]
-                               for fused_part, torch_part in zip(fused[:2], out[:2])))
+        walked = verify_chains(logits, meta, chains, plain_u, uniforms, noise)
+        return SamplerOutput(*([w if c else t for w, t, c in zip(walked_part, torch_part, chains)]
+                               for walked_part, torch_part in zip(walked[:2], out[:2])))
 
     @staticmethod
     def _chains(logits: torch.Tensor, meta: SamplingMetadata, noise: torch.Tensor | None) -> list[bool] | None:
@@ -231,8 +231,9 @@ def verify_chains(logits: torch.Tensor, meta: SamplingMetadata, which: list[bool
                   uniforms: torch.Tensor | None, noise: torch.Tensor | None) -> SamplerOutput:
     """The sequences in `which` verified by the fused walk over their rows (kernels/cpu_sampling_ops.cpp):
     what _sample decides for them, from the same randomness, reading a row only while its chain of
-    drafts is still accepted (at T > 0 the softmax of every verify row was most of the sampler: 9 of
-    its 9.2 ms at batch 8 with 4 drafts on the 2-core EPYC)."""
+    drafts is still accepted and writing no probabilities (a batch-8 step at T 0.7 with 4 drafts each,
+    all accepted: 12.6 ms on _sample's softmax of every row and copies, 1.6 ms here;
+    bench/results/sampler_cpu.md)."""
     spec, dev = meta.spec, logits.device
     B = len(which)
     draw_u = torch.zeros(B, dtype=torch.float64, device=dev)

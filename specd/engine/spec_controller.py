@@ -35,8 +35,9 @@ measured yet: 1 + y·((1 − α^{k+1}) / (1 − α) − 1), geometric in α). Th
 picks the k, and per sequence the drafter out of a set S of drafters drafting this step
 (every subset is tried), that maximise Σ E / (V(T0 + Σ y·rows) + max over S of the drafter's
 (1 − h)·D(n)·k + h·W) (drafters of one step answer concurrently), each option's time scaled
-by what cycles of its mode really took over what was predicted (RealizedCalibration: the
-never-slower rule); k = 0 (speculation off)
+by what cycles of its mode really took over what was predicted, and a speculative option's
+accepted drafts by what speculative cycles accepted over what was predicted (RealizedCalibration:
+the never-slower rule); k = 0 (speculation off)
 wins when the target is compute-bound (large batch) or acceptance is low. A sequence changes
 drafter only for a clearly better one (DRAFTER_MARGIN): the new drafter reads its whole
 history first. Turning speculation on must beat k = 0 by SWITCH_MARGIN: what the model leaves
@@ -86,6 +87,8 @@ class SpecController:
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
         self._explored: tuple | None = None  # this step's exploration: (drafter, seconds charged, mode it joined)
+        self._predicted_accepted = 0.0  # drafts this step's plan expects accepted (calibration.extra)
+        self._accepted = 0  # drafts accepted in this step so far (observe_accept)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
 
     def grant_exploration(self, seconds: float) -> None:
@@ -118,6 +121,7 @@ class SpecController:
         """
         names = list(drafters) if drafters else [None]
         self._explore_names = names
+        self._predicted_accepted, self._accepted = 0.0, 0
         self.pinned = pinned or {}
         self.offered = offered or {}
         self._ranked_by, self._curves = {}, {}
@@ -133,6 +137,7 @@ class SpecController:
             return choice
         n = len(seqs)
         scale = {k > 0: self.calibration.scale(n, "spec" if k else "plain") for k in (0, 1)}
+        extra = self.calibration.extra_scale(n)  # accepted drafts realized over predicted (spec cycles)
         best, best_rate, raw_best, plain, plain_rate = None, -1.0, None, None, 0.0
         # Where every drafter's draft is made before the plan (in-process indexes only), a draft is
         # taken whole whatever the step's k: k = 1 is every k > 0 (the other 7 of 9 options cost
@@ -142,7 +147,8 @@ class SpecController:
             for subset in _subsets(names) if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
-                rate = raw * scale[k > 0]
+                # Calibrated: the time by what cycles of its mode took, the drafts' tokens by what they made.
+                rate = (n + (option[1] - n) * extra) / option[2] * scale[k > 0] if k and option[2] > 0 else raw * scale[k > 0]
                 if plain is None:
                     plain, plain_rate = option, rate
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
@@ -156,6 +162,7 @@ class SpecController:
         if mode != wanted:  # a probe of the other mode
             best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
         choice, expected, self._predicted = best[1]
+        self._predicted_accepted = expected - n
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
@@ -394,16 +401,17 @@ class SpecController:
         """A decode-only step of num_seqs sequences began at `start` and computed for compute_s;
         its cycle ends when the next step begins (close_cycle)."""
         self._cycle = (num_seqs, self.step_mode, start, compute_s, self._predicted,
-                       self._explored if self.step_mode == "explore" else None)
+                       self._explored if self.step_mode == "explore" else None, self._accepted,
+                       self._predicted_accepted)
 
     def close_cycle(self, now: float) -> None:
         cycle, self._cycle = self._cycle, None
         if cycle is None:
             return
-        num_seqs, mode, start, compute_s, predicted, explored = cycle
+        num_seqs, mode, start, compute_s, predicted, explored, accepted, predicted_accepted = cycle
         if now - start > 2 * compute_s + 0.05:  # the engine waited for work, not an overhead
             return
-        self.calibration.observe(num_seqs, mode, now - start, predicted)
+        self.calibration.observe(num_seqs, mode, now - start, predicted, accepted, predicted_accepted)
         if explored is not None:
             # An exploration costs what its cycle took beyond the step it joined, not what was predicted:
             # the prediction leaves out the drafter reading the sequence's whole history (a draft
@@ -453,6 +461,7 @@ class SpecController:
         draft they were cut from, where it was offered before the plan."""
         if num_draft == 0:
             return
+        self._accepted += num_accepted
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, SeqDrafterStats())
         sampled = self.sampled.get(seq_id, False)

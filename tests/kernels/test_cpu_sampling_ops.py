@@ -124,6 +124,30 @@ def test_verify_chains_decides_what_the_torch_path_decides(vocab):
         assert 0 < sum(got.num_accepted) < sum(spec.num_draft_host)  # chains both ran on and stopped
 
 
+def test_a_step_mixing_filtered_and_plain_sampling_takes_each_sequence_its_way():
+    """Sequences with top-p or top-k take the general path, the others the walk, in one step: each
+    emits what the general path alone would, from the same randomness."""
+    for seed in range(20):
+        logits, meta = chain_step(seed, 300, [0.7, 0.0, 0.7, 0.7, 1.3, 0.7])
+        params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.7)]
+        drafts = [meta.spec.draft_token_ids[a:b].tolist() for a, b in
+                  zip(meta.spec.cu_num_draft[:-1].tolist(), meta.spec.cu_num_draft[1:].tolist())]
+        meta = SamplingMetadata.build(params, "cpu", drafts=drafts)
+        walk = Sampler(torch.device("cpu"), seed=seed)
+        assert walk._chains(logits, meta, None) == [True, True, False, True, False, True]
+        got = walk(logits, meta)
+        ref = Sampler(torch.device("cpu"), seed=seed)
+        spec = meta.spec
+        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
+        plain_u = draw_row_uniforms(meta.generators, plain, "cpu", ref.default_generator)
+        uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, 300, "cpu", ref.default_generator,
+                                          [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)])
+        want = ref._sample(logits, meta, plain, plain_u, uniforms, noise)
+        assert got.token_ids == want.token_ids and got.num_accepted == want.num_accepted, seed
+
+
 def test_verify_chains_greedy_is_argmax_rows_on_nan_and_masked_rows():
     """A greedy chain keeps a draft iff it is argmax_rows' token, NaN and all -inf rows included
     (plain greedy decoding takes argmax_rows: speculation must not change a greedy token)."""

@@ -401,12 +401,24 @@ def test_realized_calibration_turns_speculation_off_where_it_ran_slower():
     seqs = [(i, 4, None) for i in range(8)]
     g = RealizedCalibration
     steps = 2000
-    now, spec_steps = _run(c, seqs, 0.0, steps, lambda ks: 0.060 if any(ks) else 0.008)
-    tokens = 8 * (steps - spec_steps) + 8 * expected_tokens(0.9, 4) * spec_steps
+    rng = random.Random(1)
+    made = {"tokens": 0}
+
+    def cycle(spec_s: float):
+        def run(ks):  # every sequence's drafts accepted at 0.9 a token, reported as the engine does
+            for sid, k in enumerate(ks):
+                accepted = 0
+                while accepted < k and rng.random() < 0.9:
+                    accepted += 1
+                c.observe_accept(sid, k, accepted)
+                made["tokens"] += 1 + accepted
+            return spec_s if any(ks) else 0.008
+        return run
+    now, spec_steps = _run(c, seqs, 0.0, steps, cycle(0.060))
     assert spec_steps >= g.PROBE_CYCLES  # it did measure speculation
-    assert tokens / now >= (1 - 2 * g.PROBE_SHARE) * 1000  # the budget, and the first cycles' learning
+    assert made["tokens"] / now >= (1 - 2 * g.PROBE_SHARE) * 1000  # the budget, and the first cycles' learning
     # The drafter is fast again (15 ms a step, ~2,200 tok/s): after the next probe it stays on, but for plain's probes.
-    now, spec_steps = _run(c, seqs, now, g.PROBE_MAX + 300, lambda ks: 0.015 if any(ks) else 0.008)
+    now, spec_steps = _run(c, seqs, now, g.PROBE_MAX + 300, cycle(0.015))
     assert spec_steps >= 300 - g.PROBE_CYCLES * (1 + 300 // g.PROBE_AFTER["spec"])
 
 
@@ -565,3 +577,42 @@ def test_the_index_is_asked_only_where_one_of_its_drafts_could_pay():
             copies.observe_verify(t, compute_bound(t))
     assert copies.offers_may_pay("suffix", 32, 32, 8, {False})
     assert SpecController(8).offers_may_pay("suffix", 32, 32, 8, {False})  # nothing timed yet: ask
+
+
+def test_speculative_cycles_that_accept_fewer_drafts_than_predicted_scale_its_tokens_down():
+    """The steps the controller picks are those whose acceptance estimates came out high (the
+    winner's curse), so its chosen speculative cycles can accept fewer drafts than it predicted
+    while each cycle takes the time predicted. Calibration on time alone kept such speculation on;
+    the drafts' realized over predicted (extra_scale) turns it off where the tokens it really makes
+    do not beat plain decoding's, and leaves it on where they do."""
+    verify = lambda t: 0.020 + 0.0030 * t  # noqa: E731  (a compute-bound batch: each row costs)
+    seqs = [(i, 4, None) for i in range(8)]
+
+    def picks_spec(accepted_share: float) -> bool:
+        c = _trained(verify, alpha=0.8, seqs=range(8))
+        c.choose(seqs, base_tokens=8)
+        assert c.step_mode == "spec"  # the model alone wants speculation here
+        for _ in range(60):  # cycles as predicted in time, the speculative ones accepting a share of the drafts predicted
+            c.calibration.observe(8, "spec", c._predicted, c._predicted, accepted_share * 10.0, 10.0)
+            c.calibration.observe(8, "plain", verify(8), verify(8))
+        return any(c.choose(seqs, base_tokens=8))
+
+    assert picks_spec(1.0)
+    assert not picks_spec(0.3)
+    g = RealizedCalibration()
+    assert g.extra_scale(8) == 1.0  # not measured yet
+    for _ in range(80):
+        g.observe(8, "spec", 0.03, 0.03, 3.0, 10.0)
+    assert 0.29 < g.extra_scale(8) < 0.32 and g.extra_scale(1) == 1.0  # and per batch size
+    # Off after that, speculation is probed where the model wants it, and a probe's cycles outweigh
+    # the history: four that accept all their drafts bring the scale most of the way back.
+    for _ in range(2 * g.PROBE_AFTER["plain"]):
+        g.observe(8, "plain", 0.03, 0.03)
+        if g.mode(8, "plain") == "spec":
+            break
+    else:
+        raise AssertionError("speculation was never probed")
+    for _ in range(g.PROBE_CYCLES):
+        g.observe(8, "spec", 0.03, 0.03, 10.0, 10.0)
+        g.mode(8, "plain")
+    assert g.extra_scale(8) > 0.7  # (0.75 here; 0.30 before the probe)
