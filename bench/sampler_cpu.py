@@ -33,7 +33,7 @@ def worker(threads: int, calls: int, mode: str) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from specd.engine.sampler import Sampler, SamplingMetadata, draw_randomness, draw_row_uniforms
+    from specd.engine.sampler import Sampler, SamplingMetadata
     from specd.kernels import cpu_ops
     from specd.sampling import SamplingParams
 
@@ -45,16 +45,9 @@ def worker(threads: int, calls: int, mode: str) -> None:
         sampler = Sampler(torch.device("cpu"))
         logits = torch.randn(b * (k + 1), VOCAB, generator=g) * 4
         logits[meta.draft_rows, meta.spec.draft_token_ids] = 80.0  # every draft accepted
-        if mode == "rows":  # the general path on every row, with the randomness __call__ would draw
-            spec = meta.spec
-            plain = [d and n == 0 for d, n in zip(meta.draws, spec.num_draft_host)]
-
+        if mode == "rows":  # the general path on every row, with the randomness __call__ draws
             def call():
-                plain_u = draw_row_uniforms(meta.generators, plain, "cpu", sampler.default_generator) if (
-                    not spec.all_greedy and any(plain)) else None
-                uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, VOCAB, "cpu",
-                                                  sampler.default_generator, meta.draws) if k and any(meta.draws) else (None, None)
-                return sampler._sample(logits, meta, plain, plain_u, uniforms, noise)
+                return sampler._sample(logits, meta, sampler.randomness(logits, meta))
         else:
             def call():
                 return sampler(logits, meta)

@@ -252,12 +252,16 @@ std::vector<at::Tensor> verify_chains(const at::Tensor& logits, const at::Tensor
               "draw_u must be float64 [B]");
   TORCH_CHECK(active.dim() == 1 && active.size(0) == B && active.scalar_type() == at::kBool, "active must be bool [B]");
   auto x = logits.contiguous();
+  // The small inputs are read through their pointers: contiguous copies where a caller passed views.
+  auto rsc = row_start.contiguous(), ndc = num_draft.contiguous(), dsc = draft_start.contiguous();
+  auto dtc = drafts.contiguous(), onc = active.contiguous(), tc = temperature.contiguous();
+  auto uc = uniforms.contiguous(), duc = draw_u.contiguous();
   const int64_t R = x.size(0), n = x.size(1), N = drafts.size(0);
-  const int64_t* rs = row_start.data_ptr<int64_t>();
-  const int64_t* nd = num_draft.data_ptr<int64_t>();
-  const int64_t* ds = draft_start.data_ptr<int64_t>();
-  const int64_t* dt = drafts.data_ptr<int64_t>();
-  const bool* on = active.data_ptr<bool>();
+  const int64_t* rs = rsc.data_ptr<int64_t>();
+  const int64_t* nd = ndc.data_ptr<int64_t>();
+  const int64_t* ds = dsc.data_ptr<int64_t>();
+  const int64_t* dt = dtc.data_ptr<int64_t>();
+  const bool* on = onc.data_ptr<bool>();
   int64_t K = 0;
   for (int64_t b = 0; b < B; ++b) {
     if (!on[b]) continue;
@@ -269,8 +273,8 @@ std::vector<at::Tensor> verify_chains(const at::Tensor& logits, const at::Tensor
   }
   auto out = at::full({B, K + 1}, -1, x.options().dtype(at::kLong));
   auto accepted = at::zeros({B}, x.options().dtype(at::kLong));
-  const float *xp = x.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *up = uniforms.data_ptr<float>();
-  const double* dp = draw_u.data_ptr<double>();
+  const float *xp = x.data_ptr<float>(), *tp = tc.data_ptr<float>(), *up = uc.data_ptr<float>();
+  const double* dp = duc.data_ptr<double>();
   int64_t *op = out.data_ptr<int64_t>(), *ap = accepted.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> w;

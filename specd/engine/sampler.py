@@ -126,6 +126,14 @@ def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torc
     return probs
 
 
+class StepRandomness(NamedTuple):
+    """What one step draws (Sampler.randomness), for whichever path verifies each sequence."""
+    plain: list[bool]  # [B] host: sequences that draw without drafts
+    plain_u: torch.Tensor | None  # [B] float64: their uniforms (0 elsewhere); None: no sequence draws so
+    uniforms: torch.Tensor | None  # [N] float32: the drafted sequences' accept tests
+    noise: torch.Tensor | None  # their drawing randomness: [B] float64 uniforms, or [B, V] Exp(1) rows (a GPU)
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[list[int]]  # per sampled sequence: accepted drafts, then one recovered/bonus token
     num_accepted: list[int]  # per sampled sequence
@@ -150,11 +158,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [R, V] float32 → per sampled sequence, the tokens to commit."""
-        spec = meta.spec
         if not meta.generators:  # only mid-prefill chunks in the step
             return SamplerOutput([], [])
-        # A sequence without drafts draws its token by the inverse CDF at one uniform whatever else
-        # is in the step (so a seeded one consumes the same randomness alone or in any batch).
+        r = self.randomness(logits, meta)
+        chains = self._chains(logits, meta, r.noise)
+        if chains is not None and all(chains):
+            return verify_chains(logits, meta, chains, r)
+        out = self._sample(logits, meta, r)
+        if chains is None or not any(chains):
+            return out
+        walked = verify_chains(logits, meta, chains, r)
+        return SamplerOutput(*([w if c else t for w, t, c in zip(walked_part, torch_part, chains)]
+                               for walked_part, torch_part in zip(walked[:2], out[:2])))
+
+    def randomness(self, logits: torch.Tensor, meta: SamplingMetadata) -> StepRandomness:
+        """Every random number the step consumes, drawn once, whichever path then verifies a sequence.
+        A sequence without drafts draws its token by the inverse CDF at one uniform whatever else is
+        in the step (so a seeded one consumes the same randomness alone or in any batch)."""
+        spec = meta.spec
         plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
         plain_u = None  # [B] their uniforms (0 on other rows)
         if not spec.all_greedy and any(plain):
@@ -164,15 +185,7 @@ class Sampler:
             drafted = [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)]
             uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, logits.shape[-1],
                                               logits.device, self.default_generator, drafted)
-        chains = self._chains(logits, meta, noise)
-        if chains is not None and all(chains):
-            return verify_chains(logits, meta, chains, plain_u, uniforms, noise)
-        out = self._sample(logits, meta, plain, plain_u, uniforms, noise)
-        if chains is None or not any(chains):
-            return out
-        walked = verify_chains(logits, meta, chains, plain_u, uniforms, noise)
-        return SamplerOutput(*([w if c else t for w, t, c in zip(walked_part, torch_part, chains)]
-                               for walked_part, torch_part in zip(walked[:2], out[:2])))
+        return StepRandomness(plain, plain_u, uniforms, noise)
 
     @staticmethod
     def _chains(logits: torch.Tensor, meta: SamplingMetadata, noise: torch.Tensor | None) -> list[bool] | None:
@@ -187,11 +200,11 @@ class Sampler:
             return None
         return meta.walkable
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, plain: list[bool], plain_u: torch.Tensor | None,
-                uniforms: torch.Tensor | None, noise: torch.Tensor | None) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, r: StepRandomness) -> SamplerOutput:
         """Every sequence by the filtered probabilities of every row (the general path: top-k, top-p,
-        min-p, sparse q, trees, lossy modes, a GPU), with the step's randomness drawn by __call__."""
+        min-p, sparse q, trees, lossy modes, a GPU), from the step's randomness (randomness())."""
         spec = meta.spec
+        plain, plain_u, uniforms, noise = r
         probs = None if spec.all_greedy else apply_sampling_filters(logits, meta)  # [R, V]
         # Greedy from the raw logits: softmax can round two close logits to one probability.
         # Without greedy sequences nothing reads it (a pass over every verify row).
@@ -227,14 +240,14 @@ class Sampler:
         return SamplerOutput(to_token_lists(out.output_token_ids), out.num_accepted.tolist())
 
 
-def verify_chains(logits: torch.Tensor, meta: SamplingMetadata, which: list[bool], plain_u: torch.Tensor | None,
-                  uniforms: torch.Tensor | None, noise: torch.Tensor | None) -> SamplerOutput:
+def verify_chains(logits: torch.Tensor, meta: SamplingMetadata, which: list[bool], r: StepRandomness) -> SamplerOutput:
     """The sequences in `which` verified by the fused walk over their rows (kernels/cpu_sampling_ops.cpp):
     what _sample decides for them, from the same randomness, reading a row only while its chain of
     drafts is still accepted and writing no probabilities (a batch-8 step at T 0.7 with 4 drafts each,
     all accepted: 12.6 ms on _sample's softmax of every row and copies, 1.6 ms here;
     bench/results/sampler_cpu.md)."""
     spec, dev = meta.spec, logits.device
+    _, plain_u, uniforms, noise = r
     B = len(which)
     draw_u = torch.zeros(B, dtype=torch.float64, device=dev)
     if noise is not None:

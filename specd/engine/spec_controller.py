@@ -148,7 +148,8 @@ class SpecController:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
                 # Calibrated: the time by what cycles of its mode took, the drafts' tokens by what they made.
-                rate = (n + (option[1] - n) * extra) / option[2] * scale[k > 0] if k and option[2] > 0 else raw * scale[k > 0]
+                tokens = n + (option[1] - n) * extra if k else option[1]
+                rate = (tokens / option[2] if option[2] > 0 else tokens) * scale[k > 0]
                 if plain is None:
                     plain, plain_rate = option, rate
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.

@@ -9,7 +9,7 @@ of the ops' chunks, a point u on a token's boundary, weights of 0.
 import pytest
 import torch
 
-from specd.engine.sampler import Sampler, SamplingMetadata, draw_randomness, draw_row_uniforms
+from specd.engine.sampler import Sampler, SamplingMetadata
 from specd.kernels import cpu_ops
 from specd.kernels.sampling_ops import inverse_cdf_torch
 from specd.sampling import SamplingParams
@@ -115,11 +115,7 @@ def test_verify_chains_decides_what_the_torch_path_decides(vocab):
         got = walk(logits, meta)
         assert walk._chains(logits, meta, None) == [True] * 10  # the walk took every sequence
         ref = Sampler(torch.device("cpu"), seed=seed)
-        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
-        plain_u = draw_row_uniforms(meta.generators, plain, "cpu", ref.default_generator)
-        uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, vocab, "cpu", ref.default_generator,
-                                          [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)])
-        want = ref._sample(logits, meta, plain, plain_u, uniforms, noise)
+        want = ref._sample(logits, meta, ref.randomness(logits, meta))
         assert got.token_ids == want.token_ids and got.num_accepted == want.num_accepted, seed
         assert 0 < sum(got.num_accepted) < sum(spec.num_draft_host)  # chains both ran on and stopped
 
@@ -139,12 +135,7 @@ def test_a_step_mixing_filtered_and_plain_sampling_takes_each_sequence_its_way()
         assert walk._chains(logits, meta, None) == [True, True, False, True, False, True]
         got = walk(logits, meta)
         ref = Sampler(torch.device("cpu"), seed=seed)
-        spec = meta.spec
-        plain = [d and k == 0 for d, k in zip(meta.draws, spec.num_draft_host)]
-        plain_u = draw_row_uniforms(meta.generators, plain, "cpu", ref.default_generator)
-        uniforms, noise = draw_randomness(meta.generators, spec.num_draft_host, 300, "cpu", ref.default_generator,
-                                          [d and k > 0 for d, k in zip(meta.draws, spec.num_draft_host)])
-        want = ref._sample(logits, meta, plain, plain_u, uniforms, noise)
+        want = ref._sample(logits, meta, ref.randomness(logits, meta))
         assert got.token_ids == want.token_ids and got.num_accepted == want.num_accepted, seed
 
 
