@@ -265,8 +265,10 @@ std::vector<at::Tensor> verify_chains(const at::Tensor& logits, const at::Tensor
   int64_t K = 0;
   for (int64_t b = 0; b < B; ++b) {
     if (!on[b]) continue;
+    // (A constant message: built with an integer in it, a failed check crashed the process under
+    // torch 2.11 on an H200 machine's Xeon, where the other checks raised.)
     TORCH_CHECK(nd[b] >= 0 && rs[b] >= 0 && rs[b] + nd[b] < R && ds[b] >= 0 && ds[b] + nd[b] <= N,
-                "sequence ", b, "'s rows or drafts are out of range");
+                "a sequence's rows or drafts are out of range");
     for (int64_t j = 0; j < nd[b]; ++j)
       TORCH_CHECK(dt[ds[b] + j] >= 0 && dt[ds[b] + j] < n, "draft token out of the vocabulary");
     K = std::max(K, nd[b]);
