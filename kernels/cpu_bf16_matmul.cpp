@@ -11,6 +11,18 @@
 // [ceil(N/16), ceil(K/2), 16, 2], so one 64-byte load holds the pair (k, k+1) of 16 columns:
 // the operand layout of AVX512-BF16's vdpbf16ps. CPUs without it widen the pair to float32 and take
 // two FMAs in the same order: in 16 lanes with AVX-512, in two halves of 8 with AVX2 (kernels/cpu_simd.h).
+//
+// CPUs with AMX (Xeon since Sapphire Rapids) take the same packed weight as tiles: 16 pairs of a
+// column block are one 16 x 64-byte B tile, 32 of x's bf16 per row one A tile row, and each
+// tdpbf16ps adds 32 products per output. Its sums are not the pair chain above (they round inside
+// the instruction in their own order), so its bits are its own, like vdpbf16ps's; but every output
+// still sums the same K tiles in the same order whatever the row count (tile rows are computed
+// independently), so it is batch-invariant too, and it is the path for every row count of a weight
+// whose K is a multiple of 32 (others keep the paths above). Measured on the 2-core Xeon (family 6
+// model 167), 2 threads, all of the default target's matmuls (bench/verify_rows.py: the whole
+// forward over T tokens, alternating with the vdpbf16ps build): 1 token 2% slower (the matmuls
+// alone 2-7% at 1 row, run to run; software prefetch of the B tiles did not help), 5 the same, 8 tokens
+// 18.0 against 23.9 ms, 9 tokens 1.19x of 1 token against 1.72x (bench/results/verify_rows_xeon_amx_tiles.md).
 #include "cpu_bf16_matmul.h"
 
 #include <ATen/Parallel.h>
@@ -20,6 +32,12 @@
 
 #include <algorithm>
 #include <cstring>
+
+#if defined(SPECD_AVX512) && !defined(SPECD_EMULATE_AVX512)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPECD_AMX 1
+#endif
 
 namespace specd_cpu {
 namespace {
@@ -268,6 +286,150 @@ void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const
   });
 }
 
+#if defined(SPECD_AMX)
+// SPECD_CPU_AMX=0 (or SPECD_CPU_BF16_DOT=0, which turns off every bf16 dot product) keeps the
+// paths above on an AMX CPU. Linux hands a process the tile registers only when asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); where it refuses, the paths above run.
+bool has_amx() {
+  static const bool yes = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                          !switched_off("SPECD_CPU_AMX") && !switched_off("SPECD_CPU_BF16_DOT") &&
+                          syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return yes;
+}
+
+constexpr int64_t AMX_K = 32;  // x's bf16 per A tile row: 16 pairs, one B tile of a column block
+
+struct alignas(64) TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two unit shapes. Up to 16 rows (decode, verify blocks): 1 row group x 4 column blocks, C tiles
+// 0-3, A tile 4, B tiles 5-7 (the fourth block's B reloads tile 5): four weight streams in flight.
+// More rows: up to 32 rows x 2 column blocks, C tiles 0-1 (rows 0-15) and 2-3 (rows 16-31), A tiles
+// 4-5, B tiles 6-7. Either way an output sums its K tiles in K order: the bits do not depend on it.
+// The configuration is per thread and other code on the thread (oneDNN's AMX kernels) loads and
+// releases its own, so each call configures its threads' tiles and releases them when done.
+__attribute__((target("amx-tile"))) void configure_tiles(int low, int high) {
+  TileConfig c;
+  auto set = [&](int t, int rows) { c.rows[t] = rows, c.colsb[t] = 64; };
+  for (int t : {0, 1, 4}) set(t, low);
+  for (int t : {2, 3}) set(t, high ? high : low);
+  set(5, high ? high : 16), set(6, 16), set(7, 16);  // (16: wide units' B tile; tall units' A, unused)
+  // GCC 12's _tile_loadconfig does not tell the optimiser that it reads the struct's 64 bytes, and
+  // the stores above were dropped without this.
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// One C tile (`rows` rows of 16 columns from n) out: bias added, as float32 or rounded to bf16.
+void store_c(const float* c, int rows, const float* bias, int64_t n, int64_t N, bf16* y, float* yf) {
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(LANES, N - n));
+  if (valid == 0) return;
+  const V16 b = bias ? load_first(bias + n, valid) : zero();
+  for (int r = 0; r < rows; ++r)
+    store_out(add(load(c + r * LANES), b), valid, y ? y + r * N + n : nullptr, yf ? yf + r * N + n : nullptr);
+}
+
+// B tile j of the column block at w: its 16 pairs of 16 columns, 64 bytes a row.
+inline const bf16* b_tile(const bf16* w, int64_t j) { return w + j * AMX_K * LANES; }
+
+__attribute__((target("amx-tile"))) inline void zero_c_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void wide_unit(const bf16* x, int64_t K, const bf16* const w[4]) {
+  zero_c_tiles();
+  for (int64_t j = 0; j < K / AMX_K; ++j) {
+    _tile_loadd(4, x + j * AMX_K, K * 2);
+    _tile_loadd(5, b_tile(w[0], j), 64);
+    _tile_loadd(6, b_tile(w[1], j), 64);
+    _tile_loadd(7, b_tile(w[2], j), 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b_tile(w[3], j), 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// `high`: whether the unit has a second row group (a last chunk of up to 16 rows has not).
+__attribute__((target("amx-tile,amx-bf16"))) void tall_unit(const bf16* x, int64_t K, const bf16* const w[2],
+                                                             bool high) {
+  zero_c_tiles();
+  for (int64_t j = 0; j < K / AMX_K; ++j) {
+    _tile_loadd(4, x + j * AMX_K, K * 2);
+    _tile_loadd(6, b_tile(w[0], j), 64);
+    _tile_loadd(7, b_tile(w[1], j), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (high) {
+      _tile_loadd(5, x + 16 * K + j * AMX_K, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+__attribute__((target("amx-tile"))) void store_tile(int t, float* c) {
+  switch (t) {  // the tile register is part of the instruction
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
+// Work units (column blocks of a unit, chunk of rows), column-major as in matmul() above, so a
+// thread's next unit reads the same weight tiles from cache. Past the weight's last block a unit
+// reads block 0 again and stores nothing of it.
+void matmul_amx(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y, float* yf) {
+  const bool wide = M <= 16;
+  const int64_t blocks = (N + LANES - 1) / LANES, block_elems = K * LANES, unit_blocks = wide ? 4 : 2;
+  const int64_t units_n = (blocks + unit_blocks - 1) / unit_blocks, chunk = 32, chunks = wide ? 1 : (M + chunk - 1) / chunk;
+  at::parallel_for(0, units_n * chunks, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float c[16 * LANES];
+    int low_now = -1, high_now = -1;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b0 = (i / chunks) * unit_blocks, r0 = (i % chunks) * chunk;
+      const int rows = static_cast<int>(std::min(chunk, M - r0)), low = std::min(rows, 16), high = rows - low;
+      const bf16* ws[4];
+      for (int b = 0; b < unit_blocks; ++b) ws[b] = w + (b0 + b < blocks ? b0 + b : 0) * block_elems;
+      if (low != low_now || high != high_now) configure_tiles(low_now = low, high_now = high);
+      if (wide) {
+        wide_unit(x + r0 * K, K, ws);
+      } else {
+        tall_unit(x + r0 * K, K, ws, high > 0);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const int64_t block = b0 + (wide ? t : t % 2), r = r0 + (wide ? 0 : (t / 2) * 16);
+        const int tile_rows = wide || t < 2 ? low : high;
+        if (block >= blocks || tile_rows == 0) continue;
+        store_tile(t, c);
+        store_c(c, tile_rows, bias, block * LANES, N, y ? y + r * N : nullptr, yf ? yf + r * N : nullptr);
+      }
+    }
+    if (low_now >= 0) release_tiles();
+  });
+}
+#else
+bool has_amx() { return false; }
+constexpr int64_t AMX_K = 32;
+void matmul_amx(const bf16*, int64_t, int64_t, const bf16*, int64_t, const float*, bf16*, float*) {}
+#endif
+
+// The path a weight with K inputs takes on this CPU: its bits are that path's (the header).
+const char* path_for(int64_t K) {
+  if (has_amx() && K % AMX_K == 0) return "amx";
+  return has_avx512_bf16() ? "avx512_bf16" : "fma";
+}
+
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -304,7 +466,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   bf16* yp = float_out ? nullptr : y.data_ptr<bf16>();
   float* yfp = float_out ? y.data_ptr<float>() : nullptr;
   if (M == 0) return y;
-  if (has_avx512_bf16()) {
+  const std::string path = path_for(K);
+  if (path == "amx") {
+    matmul_amx(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
+  } else if (path == "avx512_bf16") {
     matmul<Dot>(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
   } else {
     matmul<Fma>(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
@@ -312,11 +477,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y;
 }
 
+std::string bf16_matmul_path(int64_t in_features) { return path_for(in_features); }
+
 }  // namespace specd_cpu
 
 TORCH_LIBRARY_FRAGMENT(specd_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, bool float_out=False) -> Tensor");
+  m.def("bf16_matmul_path(int in_features) -> str", &specd_cpu::bf16_matmul_path);
 }
 
 TORCH_LIBRARY_IMPL(specd_cpu, CPU, m) {

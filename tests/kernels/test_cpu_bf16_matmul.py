@@ -1,6 +1,7 @@
 """kernels/cpu_bf16_matmul.cpp: the engine's bf16 CPU matmul. Right to bf16 rounding against float64, and
 batch-invariant by construction: a row's bits do not depend on how many rows are computed with it, where it
-sits among them, or the thread count, on both instruction paths (AVX512-BF16 and plain AVX-512 FMAs)."""
+sits among them, or the thread count, on every instruction path the CPU has (AMX tiles, AVX512-BF16's
+vdpbf16ps, float32 FMAs)."""
 import os
 import subprocess
 import sys
@@ -72,13 +73,43 @@ def test_bad_shapes_are_refused():
         ops.linear(x, packed, b[:31], 32)
 
 
-def test_the_fma_path_is_invariant_too():
-    """SPECD_CPU_BF16_DOT=0: the path of AVX-512 CPUs without AVX512-BF16, in a fresh process."""
+def expected_path(K: int, switched_off: tuple[str, ...] = ()) -> str:
+    """The path the kernel should take for K inputs on this CPU (its header), from /proc/cpuinfo."""
+    flags = cpu_ops.cpu_flags()
+    dots = "SPECD_CPU_BF16_DOT" not in switched_off and cpu_ops.isa() == "avx512"
+    if dots and "SPECD_CPU_AMX" not in switched_off and {"amx_tile", "amx_bf16"} <= flags and K % 32 == 0:
+        return "amx"
+    return "avx512_bf16" if dots and "avx512_bf16" in flags else "fma"
+
+
+def test_the_path_taken_is_the_widest_the_cpu_has():
+    for K, _ in SHAPES:
+        assert ops.bf16_matmul_path(K) == expected_path(K), K
+
+
+@pytest.mark.parametrize("switch", ["SPECD_CPU_BF16_DOT", "SPECD_CPU_AMX"])
+def test_the_other_paths_are_invariant_too(switch):
+    """SPECD_CPU_BF16_DOT=0: the path of AVX-512 CPUs without AVX512-BF16 (float32 FMAs);
+    SPECD_CPU_AMX=0: that of AVX512-BF16 CPUs without AMX. Each in a fresh process."""
     code = ("import torch; from specd.kernels import cpu_ops; assert cpu_ops.available(); "
             "import tests.kernels.test_cpu_bf16_matmul as t; "
             "[f(*s) for s in t.SHAPES for f in (t.test_matches_float64_to_bf16_rounding, "
-            "t.test_a_row_has_the_same_bits_in_any_block)]; print('ok')")
+            "t.test_a_row_has_the_same_bits_in_any_block)]; "
+            "print(','.join(torch.ops.specd_cpu.bf16_matmul_path(K) for K, _ in t.SHAPES))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "SPECD_CPU_BF16_DOT": "0", "OMP_NUM_THREADS": "2"})
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+                         env={**os.environ, switch: "0", "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ",".join(expected_path(K, (switch,)) for K, _ in SHAPES)
+
+
+def test_onednn_between_calls_does_not_disturb_the_tiles():
+    """AMX tile configuration is per thread, and oneDNN's bf16 matmul (AMX on such CPUs) loads and
+    releases its own on the same threads: calls interleaved with it give the same bits."""
+    w, b, x = weights(576, 960, seed=3)
+    packed = ops.pack_linear_weight(w)
+    alone = [ops.linear(x[:m], packed, b, 960) for m in (1, 5, 40)]
+    for _ in range(3):
+        for m, want in zip((1, 5, 40), alone):
+            torch.nn.functional.linear(x[:m], w, b)  # oneDNN
+            assert torch.equal(ops.linear(x[:m], packed, b, 960), want), m
