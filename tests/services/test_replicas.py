@@ -456,7 +456,10 @@ def _children(pid: int) -> dict[int, str]:
 
 def test_up_starts_replicas_behind_one_gateway_and_survives_losing_one(launcher, reference):
     http, drafter = launcher.free_port(), launcher.free_port()
-    verifier = next(p for p in (launcher.free_port() for _ in range(50)) if p < 65000 and not _port_open(p + 1))
+    # Replica 1 takes verifier + 1: neither open nor one of the ports handed out above (the drafter's
+    # free port had been verifier + 1 once, and replica 1 could not bind).
+    verifier = next(p for p in (launcher.free_port() for _ in range(50))
+                    if p < 65000 and p + 1 not in (http, drafter) and not _port_open(p + 1))
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--replicas", "2", "--port", str(http),
                              "--verifier-port", str(verifier), "--drafter-port", str(drafter), "--metrics-port", "0",
                              "--target", str(MODEL_DIR), "--drafter", "ngram"],
