@@ -20,9 +20,11 @@
 // independently), so it is batch-invariant too, and it is the path for every row count of a weight
 // whose K is a multiple of 32 (others keep the paths above). Measured on the 2-core Xeon (family 6
 // model 167), 2 threads, all of the default target's matmuls (bench/verify_rows.py: the whole
-// forward over T tokens, alternating with the vdpbf16ps build): 1 token 2% slower (the matmuls
-// alone 2-7% at 1 row, run to run; software prefetch of the B tiles did not help), 5 the same, 8 tokens
-// 18.0 against 23.9 ms, 9 tokens 1.19x of 1 token against 1.72x (bench/results/verify_rows_xeon_amx_tiles.md).
+// forward over T tokens, alternating with the vdpbf16ps build, 19:45 UTC): 1 token 5% slower (2% in
+// an earlier run; the matmuls alone 2-7% at 1 row run to run, and software prefetch of the B tiles
+// made them slower), 4 the same, 9 tokens 1.22x of 1 token against 1.89x
+// (bench/results/verify_rows_xeon_amx_tiles.md); every matmul of the default target at 1-128 rows
+// 0.75-0.82x of oneDNN's time (bench/results/cpu_matmul_amx.md).
 #include "cpu_bf16_matmul.h"
 
 #include <ATen/Parallel.h>
