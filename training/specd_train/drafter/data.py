@@ -4,7 +4,9 @@ A drafter learns to predict the target, so the best text to learn from is the ta
 (on-policy) answers. Each shard holds `SHARD` conversations and is a pure function of the
 target's weights, the shard index and the settings below, never of the batch size or the
 machine's speed (batch-invariant decoding and per-request seeds), so a run can stop at any
-moment and the next one, on any machine with the same libraries, continues where it stopped.
+moment and the next one, on any machine with the same libraries and the same bf16 matmul path
+(torch.ops.specd_cpu.bf16_matmul_path: AMX tiles, vdpbf16ps and FMAs round differently), continues
+where it stopped.
 
 Prompts come from two places:
 - self-asked questions (Magpie, Xu et al. 2024): the target is given its chat template up to
