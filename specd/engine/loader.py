@@ -238,6 +238,7 @@ def _prepared(model: CausalLM, head_ids: torch.Tensor | None, dtype: torch.dtype
               batch_invariant: bool) -> CausalLM:
     """The matmul paths chosen, then the self-test of batch-invariant mode on the real forward."""
     model.prepare(head_ids, batch_invariant)
+    _log_matmul_paths(model)
     failures = forward_invariance_failures(model) if batch_invariant else []
     if failures:
         # A WARNING in 16-bit, where a last-bit difference flips greedy tokens often (1 of 9 chat
@@ -252,6 +253,19 @@ def _prepared(model: CausalLM, head_ids: torch.Tensor | None, dtype: torch.dtype
     model.exact = batch_invariant and not failures
     release_freed_memory()
     return model.eval()
+
+
+def _log_matmul_paths(model: CausalLM) -> None:
+    """Which instructions the fused bf16 CPU matmul takes here (AMX tiles, vdpbf16ps or FMAs: each
+    its own bits, kernels/cpu_bf16_matmul.cpp), once per load, for whoever compares machines."""
+    from specd.engine.linear import InvariantCpuLinear
+
+    widths = sorted({m.in_features for m in model.modules() if isinstance(m, InvariantCpuLinear)})
+    if widths:
+        names = {"amx": "AMX tiles", "avx512_bf16": "AVX512-BF16 (vdpbf16ps)", "fma": "float32 FMAs"}
+        paths = sorted({names[torch.ops.specd_cpu.bf16_matmul_path(k)] for k in widths})
+        log.info("bf16 CPU matmul on %s (SPECD_CPU_AMX=0 or SPECD_CPU_BF16_DOT=0 turn the dot products off)",
+                 " and ".join(paths))
 
 
 # glibc's M_MMAP_THRESHOLD (malloc.h): buffers from this size up get mappings of their own.
