@@ -288,6 +288,8 @@ void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const
   });
 }
 
+constexpr int64_t AMX_K = 32;  // x's bf16 per A tile row: 16 pairs, one B tile of a column block
+
 #if defined(SPECD_AMX)
 // SPECD_CPU_AMX=0 (or SPECD_CPU_BF16_DOT=0, which turns off every bf16 dot product) keeps the
 // paths above on an AMX CPU. Linux hands a process the tile registers only when asked
@@ -298,8 +300,6 @@ bool has_amx() {
                           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return yes;
 }
-
-constexpr int64_t AMX_K = 32;  // x's bf16 per A tile row: 16 pairs, one B tile of a column block
 
 struct alignas(64) TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -422,14 +422,15 @@ void matmul_amx(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, c
 }
 #else
 bool has_amx() { return false; }
-constexpr int64_t AMX_K = 32;
 void matmul_amx(const bf16*, int64_t, int64_t, const bf16*, int64_t, const float*, bf16*, float*) {}
 #endif
 
 // The path a weight with K inputs takes on this CPU: its bits are that path's (the header).
-const char* path_for(int64_t K) {
-  if (has_amx() && K % AMX_K == 0) return "amx";
-  return has_avx512_bf16() ? "avx512_bf16" : "fma";
+enum class Path { Amx, Bf16Dot, Fma };
+
+Path path_for(int64_t K) {
+  if (has_amx() && K % AMX_K == 0) return Path::Amx;
+  return has_avx512_bf16() ? Path::Bf16Dot : Path::Fma;
 }
 
 }  // namespace
@@ -468,10 +469,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   bf16* yp = float_out ? nullptr : y.data_ptr<bf16>();
   float* yfp = float_out ? y.data_ptr<float>() : nullptr;
   if (M == 0) return y;
-  const std::string path = path_for(K);
-  if (path == "amx") {
+  const Path path = path_for(K);
+  if (path == Path::Amx) {
     matmul_amx(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
-  } else if (path == "avx512_bf16") {
+  } else if (path == Path::Bf16Dot) {
     matmul<Dot>(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
   } else {
     matmul<Fma>(xc.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), N, bp, yp, yfp);
@@ -479,7 +480,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y;
 }
 
-std::string bf16_matmul_path(int64_t in_features) { return path_for(in_features); }
+std::string bf16_matmul_path(int64_t in_features) {
+  switch (path_for(in_features)) {
+    case Path::Amx: return "amx";
+    case Path::Bf16Dot: return "avx512_bf16";
+    default: return "fma";
+  }
+}
 
 }  // namespace specd_cpu
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from matmul_paths import expected_path
 from specd.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")
@@ -73,15 +74,6 @@ def test_bad_shapes_are_refused():
         ops.linear(x, packed, b[:31], 32)
 
 
-def expected_path(K: int, switched_off: tuple[str, ...] = ()) -> str:
-    """The path the kernel should take for K inputs on this CPU (its header), from /proc/cpuinfo."""
-    flags = cpu_ops.cpu_flags()
-    dots = "SPECD_CPU_BF16_DOT" not in switched_off and cpu_ops.isa() == "avx512"
-    if dots and "SPECD_CPU_AMX" not in switched_off and {"amx_tile", "amx_bf16"} <= flags and K % 32 == 0:
-        return "amx"
-    return "avx512_bf16" if dots and "avx512_bf16" in flags else "fma"
-
-
 def test_the_path_taken_is_the_widest_the_cpu_has():
     for K, _ in SHAPES:
         assert ops.bf16_matmul_path(K) == expected_path(K), K
@@ -98,9 +90,10 @@ def test_the_other_paths_are_invariant_too(switch):
             "print(','.join(torch.ops.specd_cpu.bf16_matmul_path(K) for K, _ in t.SHAPES))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, switch: "0", "OMP_NUM_THREADS": "2"})
+                         env={**os.environ, switch: "0", "OMP_NUM_THREADS": "2",  # (tests/ for matmul_paths)
+                              "PYTHONPATH": os.pathsep.join([os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ",".join(expected_path(K, (switch,)) for K, _ in SHAPES)
+    assert out.stdout.strip() == ",".join(expected_path(K, {**os.environ, switch: "0"}) for K, _ in SHAPES)
 
 
 def test_onednn_between_calls_does_not_disturb_the_tiles():
