@@ -79,7 +79,9 @@ def test_a_hung_engine_step_turns_health_not_serving(stack):
     server, servicer, address = start_faulty("hang_after_catch_up", info.vocab_size, info.vocab_hash)
     stub.RegisterDrafter(pb.RegisterDrafterRequest(name="hang", address=address), timeout=30)
     try:
-        body = {"prompt": "def f", "max_tokens": 16, "temperature": 0,  # room to draft (k <= max_tokens - 2)
+        # Long enough that steps still come after the drafter's catch-up (in the background, which a
+        # loaded machine can make slower than a short answer: CI once saw no hang in 16 tokens).
+        body = {"prompt": "def f", "max_tokens": 256, "ignore_eos": True, "temperature": 0,
                 "speculative": {"num_speculative_tokens": 4, "drafter": "hang"}}
         with ThreadPoolExecutor(1) as ex:
             pending = ex.submit(httpx.post, f"{stack['base']}/v1/completions", json=body, timeout=120)
@@ -91,7 +93,8 @@ def test_a_hung_engine_step_turns_health_not_serving(stack):
                     assert "NOT_SERVING" in r.json()["error"]["message"]
                 time.sleep(0.2)
             assert pending.result().status_code == 200
-        assert 503 in seen, seen
+        assert pending.result().json()["usage"]["completion_tokens"] == 256
+        assert 503 in seen, (seen, servicer.batches)
         deadline = time.monotonic() + 10
         while httpx.get(f"{stack['base']}/health", timeout=30).status_code != 200:
             assert time.monotonic() < deadline, "health did not come back"
