@@ -7,6 +7,7 @@ forward with that checkout's CPU kernels (built in a cache of their own; the eng
 this tree's), in processes alternating with this tree's, side by side in one run.
 
     python bench/verify_rows.py --threads 2 [--baseline /tmp/base] [--out bench/results/verify_rows_avx2]
+    python bench/verify_rows.py --threads 2 --rows 1,16,32,33,48,64   # larger blocks (trees, batches)
 """
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info, machine_line, write_result  # noqa: E402
 
-ROWS = range(1, 10)
+ROWS = "1-9"  # T values: a range "a-b" or a list "1,8,16"
+
+
+def parse_rows(text: str) -> list[int]:
+    if "-" in text:
+        a, b = text.split("-")
+        return list(range(int(a), int(b) + 1))
+    return sorted({int(t) for t in text.split(",")})
 
 
 def use_kernels_of(checkout: Path, cache: Path) -> None:
@@ -53,19 +61,20 @@ def worker(args) -> None:
         raise SystemExit("the fused CPU ops do not build here")
     if args.build_only:
         return
+    rows = parse_rows(args.rows)
     engine = LLM(args.model, dtype=args.dtype, max_model_len=512).engine
     rng = random.Random(1)
     prompt = [rng.randrange(3, 49000) for _ in range(128)]
-    sid = engine.add_request(prompt, SamplingParams(max_tokens=len(ROWS) + 2, temperature=0.0, ignore_eos=True))
+    sid = engine.add_request(prompt, SamplingParams(max_tokens=max(rows) + 2, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill + first token
     seq = engine.sequences[sid]
-    assert engine.block_manager.allocate(seq, seq.num_computed_tokens + len(ROWS) + 1)
+    assert engine.block_manager.allocate(seq, seq.num_computed_tokens + max(rows) + 1)
     # No forward advances num_computed_tokens: each rewrites the same KV slots.
-    entries = {T: [ScheduledSeq(seq, 1, 1)] if T == 1 else [verify_entry(seq, prompt[:T - 1])] for T in ROWS}
+    entries = {T: [ScheduledSeq(seq, 1, 1)] if T == 1 else [verify_entry(seq, prompt[:T - 1])] for T in rows}
     for _ in range(2):
         for entry in entries.values():
             engine.runner.run(entry)
-    times = {T: [] for T in ROWS}
+    times = {T: [] for T in rows}
     for _ in range(args.iters):
         for T, entry in entries.items():
             t = time.perf_counter()
@@ -76,7 +85,7 @@ def worker(args) -> None:
 
 def run_worker(args, side: str, cache: Path, build_only: bool = False) -> dict[int, float]:
     cmd = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
-           "--iters", str(args.iters)]
+           "--iters", str(args.iters), "--rows", args.rows]
     if side == "baseline":
         cmd += ["--kernels-of", str(args.baseline), "--kernels-cache", str(cache)]
     if build_only:
@@ -115,6 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", type=Path, default=None, help="a checkout whose CPU kernels to compare")
     p.add_argument("--model", default=None, help="default: the fetched default target")
     p.add_argument("--dtype", default="bfloat16", help="auto serves a .gguf in its own quantized types")
+    p.add_argument("--rows", default=ROWS, help="query token counts T: a range a-b or a list (default 1-9)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--build-only", action="store_true")
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
             for side in sides if i % 2 == 0 else sides[::-1]:  # ABBA: neither side always goes first
                 runs[side].append(run_worker(args, side, Path(cache)))
                 print(side, {T: round(ms, 2) for T, ms in runs[side][-1].items()}, file=sys.stderr)
-    rows = [{"T": T, **{side: statistics.median(run[T] for run in runs[side]) for side in sides}} for T in ROWS]
+    rows = [{"T": T, **{side: statistics.median(run[T] for run in runs[side]) for side in sides}} for T in parse_rows(args.rows)]
     settings = {"model": Path(args.model).name, "sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
                 "iters": args.iters, "runs": {side: runs[side] for side in sides}}
     out = args.out or Path(tempfile.gettempdir()) / "verify_rows"

@@ -64,6 +64,14 @@ EXPLORE_SHARE = 0.02
 # and ran 8% slower; at batch 1 the predicted gains are 30-60%, far above this margin.
 SWITCH_MARGIN = 1.10
 DRAFTER_MARGIN = 1.10
+# A plan costs time of its own (asking the index drafters, weighing every k and drafter for every
+# sequence): at batch 32 on a 2-core Xeon, 8% of the engine's step time in a chat run where it
+# chose plain decoding nearly every step (py-spy), which the server's choice then lost against
+# plain requests. While plain decoding is what a plan wants, the steps after it reuse that answer,
+# enough of them that planning takes at most PLAN_SHARE of the verify time (none at batch 1,
+# where a plan costs ~1% of a step), at most MAX_REUSE in a row.
+PLAN_SHARE = 0.01
+MAX_REUSE = 16
 
 
 class SpecController:
@@ -90,6 +98,9 @@ class SpecController:
         self._predicted_accepted = 0.0  # drafts this step's plan expects accepted (calibration.extra)
         self._accepted = 0  # drafts accepted in this step so far (observe_accept)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
+        self._wanted_plain = False  # the last plan wanted plain decoding and ran it (not a probe)
+        self._reuse: tuple[int, int] | None = None  # (batch-size bucket, steps left) that reuse a plain plan
+        self._planned_seqs = 0  # sequences of the last plan
 
     def grant_exploration(self, seconds: float) -> None:
         """Set every drafter's exploration budget (tests: a controller starts with none)."""
@@ -121,6 +132,7 @@ class SpecController:
         """
         names = list(drafters) if drafters else [None]
         self._explore_names = names
+        self._wanted_plain, self._planned_seqs = False, len(seqs)
         self._predicted_accepted, self._accepted = 0.0, 0
         self.pinned = pinned or {}
         self.offered = offered or {}
@@ -162,6 +174,7 @@ class SpecController:
                                      probe_loss=self._probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale))
         if mode != wanted:  # a probe of the other mode
             best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
+        self._wanted_plain = wanted == mode == "plain"
         choice, expected, self._predicted = best[1]
         self._predicted_accepted = expected - n
         # Requests with their own k are neither plain nor the controller's choice: not timed.
@@ -172,6 +185,35 @@ class SpecController:
             self._explored = (*self._explored, self.step_mode)  # and the mode of the step it joined
             self.step_mode = "explore"
         return choice
+
+    def planned(self, seconds: float, base_tokens: int) -> None:
+        """The plan just made took `seconds` (with the index drafters' offers): where it wanted plain
+        decoding, the next steps reuse it (reuse_plain) for as long as keeps planning at PLAN_SHARE."""
+        self._reuse = None
+        if self._wanted_plain and self.step_mode == "plain":
+            steps = int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9))
+            if steps > 0:
+                self._reuse = (RealizedCalibration.bucket(self._planned_seqs), min(steps, MAX_REUSE))
+
+    def reuse_plain(self, seqs: list[tuple[int, int, int | None]], base_tokens: int) -> list[tuple[int, str | None]] | None:
+        """k = 0 for every sequence without planning, where the last plan wanted plain decoding and
+        may still be reused (planned): the batch size in the same bucket, and no request setting its
+        own k. None: plan. The step is a plain cycle for calibration, and counts towards its next
+        probe of speculation (probes stay spaced by cycles)."""
+        if self._reuse is None:
+            return None
+        bucket, left = self._reuse
+        n = len(seqs)
+        if left <= 0 or bucket != RealizedCalibration.bucket(n) or any(o is not None for _, _, o in seqs):
+            self._reuse = None
+            return None
+        self._reuse = (bucket, left - 1)
+        self.calibration.skipped(n)
+        self.pinned, self.offered, self._explored = {}, {}, None
+        self._predicted_accepted, self._accepted = 0.0, 0
+        self._predicted = self.verify_cost(base_tokens)
+        self.step_mode = "plain"
+        return [(0, self.current.get(sid)) for sid, _, _ in seqs]
 
     def offers_may_pay(self, name: str | None, num_seqs: int, base_tokens: int, cap: int,
                        kinds: set[bool]) -> bool:

@@ -223,6 +223,11 @@ class RealizedCalibration:
             return other
         return wanted
 
+    def skipped(self, num_seqs: int) -> None:
+        """A plain cycle that reused an earlier plan (mode() not asked): it counts towards the next probe."""
+        b = self.bucket(num_seqs)
+        self.since_probe[b] = self.since_probe.get(b, 0) + 1
+
     def observe(self, num_seqs: int, mode: str, seconds: float, predicted_seconds: float,
                 accepted: float = 0.0, predicted_accepted: float = 0.0) -> None:
         """A cycle of this mode: its seconds against those predicted, and for a speculative one the

@@ -79,11 +79,15 @@ class Speculator:
                 self.controller.note_sampling(e.seq.seq_id, e.seq.params.temperature > 0)
         base_tokens = sum(e.num_new_tokens for e in batch)
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
+        seqs = [(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)]
+        if not pinned and self.controller.reuse_plain(seqs, base_tokens) is not None:
+            return {}  # plain decoding, as the last plan wanted: no offers asked, no plan made
+        t0 = time.perf_counter()
         names = self._drafter_names()
         offers = self._offers(decoding, caps, pinned, names, base_tokens)
-        plan = self.controller.plan([(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)],
-                                    base_tokens, names, pinned,
+        plan = self.controller.plan(seqs, base_tokens, names, pinned,
                                     {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()})
+        self.controller.planned(time.perf_counter() - t0, base_tokens)
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
