@@ -68,8 +68,8 @@ DRAFTER_MARGIN = 1.10
 # sequence): at batch 32 on a 2-core Xeon, 8% of the engine's step time in a chat run where it
 # chose plain decoding nearly every step (py-spy), which the server's choice then lost against
 # plain requests. While plain decoding is what a plan wants, the steps after it reuse that answer,
-# enough of them that planning takes at most PLAN_SHARE of the verify time (none at batch 1,
-# where a plan costs ~1% of a step), at most MAX_REUSE in a row.
+# enough of them that planning takes at most PLAN_SHARE of the verify time (few or none at batch 1,
+# where a plan weighs one sequence), at most MAX_REUSE in a row.
 PLAN_SHARE = 0.01
 MAX_REUSE = 16
 
