@@ -10,7 +10,6 @@ from specd.engine.spec_controller import MAX_REUSE, PLAN_SHARE, SpecController
 from specd.engine.spec_costs import RealizedCalibration
 
 
-
 def _plain_planned(plan_s: float, n: int = 32) -> SpecController:
     c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.6)
     seqs = [(i, 4, None) for i in range(n)]
