@@ -35,6 +35,9 @@ def test_retrain_is_bit_identical_and_carded(tmp_path):
         assert len(alphas) == 4 and all(0.0 <= x <= 1.0 for x in alphas)
         assert f"| {workload} | " + " | ".join(f"{x:.3f}" for x in alphas) in card
     assert f"ratio **{report['cost']['ratio']:.3f}**" in card and 0 < report["cost"]["ratio"] < 1
+    draft = report["draft_cost"]  # a 4-token draft as served, against a target step
+    assert draft["k"] == 4 and draft["sequential_draft_ms"] > 0 and draft["dtype"] in ("bfloat16", "float32")
+    assert f"**{draft['sequential_share']:.2f}** of a target step" in card
     # only the trained parts are written: no embeddings, no output head
     from safetensors import safe_open
 

@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 
 
+KEPT = "## Known limits"  # a hand-written section of the card, kept when it is rewritten
+
+
 def measure_cost(target_dir: Path, drafter_dir: Path, tokens: int = 64, threads: int = 1) -> dict:
     """Per-token decode time of drafter and target on our engine, batch 1, float32, same thread count.
     A ratio measured side by side; absolute times mean little on a shared CPU."""
@@ -91,6 +94,15 @@ def write_card(out: Path, report: dict, command: str) -> None:
                   f"{cost['target_ms_per_token']:.1f} ms, ratio **{cost['ratio']:.3f}**. Weights read per drafted "
                   f"token: {params['bytes_per_token'] / 1e6:.1f} MB vs the target's {params['target_bytes'] / 1e6:.1f} MB "
                   "(float32)."]
+    draft = report.get("draft_cost")
+    if draft:  # the AR drafter: its "sequential" draft is the one it serves
+        lines += ["", f"As served: a {draft['k']}-token draft (the drafter's propose call: a 2-token catch-up, then "
+                  f"{draft['k']} forwards) costs {draft['sequential_draft_ms']:.1f} ms against a target decode step of "
+                  f"{draft['target_step_ms']:.1f} ms, batch 1, {draft['dtype']}, {draft['threads']} thread each, side by "
+                  f"side: **{draft['sequential_share']:.2f}** of a target step."]
+    if cost and report.get("cost_measured"):
+        where = report["cost_measured"]
+        lines += ["", f"Costs measured on {where['cpu']}, {where['cores']} cores, torch {where['torch']}, {where['date']}."]
     m = report["machine"]
     lines += ["", "## Reproduce", "", f"`{command}` (deterministic: fixed seeds, fixed thread count; the same "
               "machine, thread count and library versions give the same weights). Needs the dev extras "
@@ -98,7 +110,12 @@ def write_card(out: Path, report: dict, command: str) -> None:
               f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads; Python {m['python']}, "
               f"torch {m['torch']}. Date: {m['date']}.", "",
               "License: Apache-2.0, as the target (SmolLM2-135M-Instruct, Hugging Face)."]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    old = out / "README.md"
+    # Notes written by hand after the generated part (its known limits) stay across rewrites.
+    if old.exists() and (at := old.read_text().find(KEPT)) >= 0:
+        text += "\n" + old.read_text()[at:]
+    old.write_text(text)
 
 
 def machine(threads: int) -> dict:

@@ -92,6 +92,7 @@ def finish(target_dir: Path, out: Path, args) -> None:
 
     from specd.models.model_store import _assemble_drafter
     from specd_train.drafter import card
+    from specd_train.drafter.parallel_run import measure_draft_cost
 
     report = json.loads((out / "eval.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +102,15 @@ def finish(target_dir: Path, out: Path, args) -> None:
         target_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(target_dir).parameters())
         report["params"] = card.param_counts(drafter, report["train"]["config"]["draft_vocab"], target_params)
         report["cost"] = card.measure_cost(target_dir, full)
-    report["machine"] = card.machine(args.threads)
+        # What serving pays: a 4-token draft (the propose call) against a target step, in the dtype
+        # `auto` serves here (bf16 where the CPU has it), 1 thread each, side by side.
+        draft = measure_draft_cost(target_dir, full, k=4, dtype="auto")
+        for key in ("parallel_draft_ms", "parallel_share"):  # no pard_token: both of its modes are sequential
+            draft.pop(key)
+        report["draft_cost"] = draft
+    report["cost_measured"] = card.machine(1)  # where and when the costs were measured
+    if not args.card_only or "machine" not in report:  # the training run's machine and date stay
+        report["machine"] = card.machine(args.threads)
     with open(out / "eval.json", "w") as f:
         json.dump(report, f, indent=1)
     card.write_card(out, report, f"specd train-drafter --threads {args.threads}")

@@ -135,6 +135,7 @@ def measure_draft_cost(target_dir: Path, drafter_dir: Path, k: int, threads: int
                 times.append(time.perf_counter() - t0)
             out[f"{mode}_draft_ms"] = 1e3 * sorted(times)[len(times) // 2]
     llm = LLM(str(target_dir), dtype=dtype)
+    out["dtype"] = str(llm.engine.dtype).removeprefix("torch.")  # what "auto" resolved to
     prompt = [{"prompt_token_ids": history}]
     llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))  # warm-up
     t0 = time.perf_counter()
