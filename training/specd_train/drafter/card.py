@@ -102,7 +102,8 @@ def write_card(out: Path, report: dict, command: str) -> None:
                   f"side: **{draft['sequential_share']:.2f}** of a target step."]
     if cost and report.get("cost_measured"):
         where = report["cost_measured"]
-        lines += ["", f"Costs measured on {where['cpu']}, {where['cores']} cores, torch {where['torch']}, {where['date']}."]
+        lines += ["", f"Costs measured on {where['cpu']} (family/model {where.get('family_model', '?')}; "
+                  f"{' '.join(where.get('flags', []))}), {where['cores']} cores, torch {where['torch']}, {where['date']}."]
     m = report["machine"]
     lines += ["", "## Reproduce", "", f"`{command}` (deterministic: fixed seeds, fixed thread count; the same "
               "machine, thread count and library versions give the same weights). Needs the dev extras "
@@ -111,16 +112,23 @@ def write_card(out: Path, report: dict, command: str) -> None:
               f"torch {m['torch']}. Date: {m['date']}.", "",
               "License: Apache-2.0, as the target (SmolLM2-135M-Instruct, Hugging Face)."]
     text = "\n".join(lines) + "\n"
-    old = out / "README.md"
+    card = out / "README.md"
     # Notes written by hand after the generated part (its known limits) stay across rewrites.
-    if old.exists() and (at := old.read_text().find(KEPT)) >= 0:
-        text += "\n" + old.read_text()[at:]
-    old.write_text(text)
+    before = card.read_text() if card.exists() else ""
+    if (at := before.find(KEPT)) >= 0:
+        text += "\n" + before[at:]
+    card.write_text(text)
 
 
 def machine(threads: int) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+    """The CPU (model name, family/model, the ISA flags that pick the matmul path), cores, versions, date."""
+    info = {}
+    for ln in open("/proc/cpuinfo"):
+        key, _, value = ln.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx512", "amx", "avx2", "fma")))
+    return {"cpu": info.get("model name", "?"), "family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+            "flags": flags, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
             "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 

@@ -103,8 +103,9 @@ def _save(drafter, start: Path, out: Path, cfg) -> None:
 def measure_draft_cost(target_dir: Path, drafter_dir: Path, k: int, threads: int = 1, dtype: str = "bfloat16",
                        steps: int = 48) -> dict:
     """What a k-token draft costs against a target decode step, on our engine, batch 1, side by side:
-    the drafter's propose call (catch-up of 2 committed tokens + the draft), once drafting in one
-    forward (parallel) and once one forward per token (the same weights without pard_token)."""
+    the drafter's propose call (catch-up of 2 committed tokens + the draft), one forward per token
+    (sequential: the weights without pard_token) and, for a drafter with pard_token, in one forward
+    (parallel)."""
     import shutil
     import tempfile
 
@@ -121,9 +122,9 @@ def measure_draft_cost(target_dir: Path, drafter_dir: Path, k: int, threads: int
         sequential = Path(tmp) / "sequential"
         shutil.copytree(drafter_dir, sequential)
         config = json.loads((sequential / "config.json").read_text())
-        config.pop("pard_token", None)
+        modes = {"parallel": drafter_dir} if config.pop("pard_token", None) is not None else {}
         (sequential / "config.json").write_text(json.dumps(config))
-        for mode, path in (("parallel", drafter_dir), ("sequential", sequential)):
+        for mode, path in {**modes, "sequential": sequential}.items():
             proposer = DraftModelProposer(str(path), dtype=dtype)
             seq = list(history)
             proposer.propose([ProposeRequest(seq_id=0, new_tokens=seq, num_tokens=len(seq), k=k, full_history=True)])
@@ -141,7 +142,7 @@ def measure_draft_cost(target_dir: Path, drafter_dir: Path, k: int, threads: int
     t0 = time.perf_counter()
     llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     out["target_step_ms"] = (time.perf_counter() - t0) / 64 * 1e3
-    for mode in ("parallel", "sequential"):
+    for mode in (*modes, "sequential"):
         out[f"{mode}_share"] = out[f"{mode}_draft_ms"] / out["target_step_ms"]
     return out
 
