@@ -45,6 +45,9 @@ class SamplingParams:
     # Output constrained to a JSON schema, regex, choice or grammar: a StructuredOutput, or
     # vLLM's dict of one key (json, json_object, regex, choice, grammar).
     structured_outputs: StructuredOutput | dict | None = None
+    # False: the answer is not kept in the drafters' cache of finished answers (the suffix index's
+    # global cache), which later requests draft from; this request still drafts from it.
+    cache_output: bool = True
 
     def __post_init__(self) -> None:
         self._check_number("max_tokens", self.max_tokens, integer=True)

@@ -210,7 +210,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                               temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
                               num_prompt_tokens=e.num_prompt_tokens or None, features=features,
                               structured_outputs=e.structured_outputs or None,
-                              features_from=e.features_from if e.full_history else 0)
+                              features_from=e.features_from if e.full_history else 0,
+                              cache_output=e.cache_output if e.HasField("cache_output") else True)
 
     def _features(self, e: drafter_pb2.ProposeEntry):
         """The entry's hidden states (None when this drafter takes none), or False when they are

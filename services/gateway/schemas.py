@@ -34,10 +34,12 @@ class StreamOptions(_Body):
 
 
 class Speculative(_Body):
-    """specd extension: per-request speculation (0 drafts = off) and drafter choice."""
+    """specd extension: per-request speculation (0 drafts = off), drafter choice, and whether the
+    answer may join the suffix index's cache of finished answers that later requests draft from."""
 
     num_speculative_tokens: int | None = None
     drafter: str = ""
+    cache_output: bool = True
 
 
 class TextPart(_Body):
@@ -152,7 +154,7 @@ class _GenerationBody(_Body):
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self._logprobs(),
                 num_speculative_tokens=spec.num_speculative_tokens if spec else None,
-                structured_outputs=structured)
+                structured_outputs=structured, cache_output=spec.cache_output if spec else True)
         except ValueError as e:
             msg = str(e)
             raise bad_request(msg, param=msg.split(" ", 1)[0]) from None

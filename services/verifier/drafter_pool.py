@@ -364,6 +364,8 @@ def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> in
                               features_from=r.features_from if r.full_history else 0)
     if r.seed is not None:
         entry.seed = r.seed
+    if r.full_history and not r.cache_output:
+        entry.cache_output = False
     if r.features is None:
         return 0
     tensor_to_proto(r.features, entry.features)

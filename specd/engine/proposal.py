@@ -58,6 +58,9 @@ class ProposeRequest:
     # A full history's feature rows start at the pair that predicted token features_from + 1 (0: all
     # rows); a head holds the pairs before it in its prefix cache, or answers resync, history_held.
     features_from: int = 0
+    # With a full history: False when the request asked that its answer not be kept in a cache of
+    # finished answers that later requests draft from (the suffix index's global cache).
+    cache_output: bool = True
 
 
 @dataclass

@@ -125,7 +125,7 @@ class Speculator:
                                            temperature=seq.params.temperature, seed=seq.params.seed,
                                            features=features, feature_layers=layers, drafter=drafter,
                                            structured_outputs=_structured(seq) if full else None,
-                                           features_from=features_from))
+                                           features_from=features_from, cache_output=seq.params.cache_output))
             entries.append(e)
             seq.spec_sent, seq.spec_features_from = length, None
         if not requests:
@@ -179,7 +179,8 @@ class Speculator:
                 requests.append(ProposeRequest(
                     seq_id=sid, new_tokens=seq.token_slice(sent, length), num_tokens=length, k=cap,
                     full_history=sent == 0, num_prompt_tokens=len(seq.prompt_token_ids),
-                    temperature=seq.params.temperature, seed=seq.params.seed, drafter=name))
+                    temperature=seq.params.temperature, seed=seq.params.seed, drafter=name,
+                    cache_output=seq.params.cache_output))
                 self._inline_sent[name, sid] = length
                 asked[sid] = cap
             for p in proposer.propose(requests) if requests else []:

@@ -8,7 +8,8 @@ of a sequence counts up to D tokens, so a string's count is its number of occurr
     one sequence would (a trie of a 600-token prompt at D = 24 is 14k Python nodes, ~30 ms
     to build on first contact; the positions take ~0.1 ms, and a draft filters them);
   - one global trie over the outputs ("responses") of the most recent
-    suffix_decoding_max_cached_requests finished requests, evicted FIFO (0 disables it).
+    suffix_decoding_max_cached_requests finished requests, evicted FIFO (0 disables it); a
+    request that asked to keep its answer out (cache_output=False) still drafts from it.
     A request's response enters it when the request is released (explicitly or by TTL).
 
 One step, as Arctic's SuffixTree::speculate / _speculate_path:
@@ -220,11 +221,12 @@ class _Path:
 
 
 class _Request:
-    __slots__ = ("index", "prompt_len")
+    __slots__ = ("index", "prompt_len", "cache_output")
 
-    def __init__(self, max_depth: int, prompt_len: int):
+    def __init__(self, max_depth: int, prompt_len: int, cache_output: bool):
         self.index = SequenceIndex(max_depth)
         self.prompt_len = prompt_len
+        self.cache_output = cache_output  # False: its response never enters the global cache
 
 
 @register("suffix")
@@ -277,7 +279,7 @@ class SuffixProposer:
             self.requests.pop(req.seq_id, None)
         if state is None:
             prompt_len = req.num_prompt_tokens if req.num_prompt_tokens is not None else prompt_len
-            state = self.requests[req.seq_id] = _Request(self.max_depth, min(prompt_len, len(tokens)))
+            state = self.requests[req.seq_id] = _Request(self.max_depth, min(prompt_len, len(tokens)), req.cache_output)
         elif req.num_prompt_tokens is not None:
             state.prompt_len = req.num_prompt_tokens
         state.index.extend(tokens[len(state.index.tokens):])
@@ -291,11 +293,12 @@ class SuffixProposer:
         return own if own_score >= other_score else other
 
     def release(self, seq_ids: list[int]) -> None:
-        """The requests ended: their responses move into the global cache."""
+        """The requests ended: their responses move into the global cache (unless a request asked
+        that its answer not be kept: cache_output=False)."""
         for sid in seq_ids:
             tokens = self.histories.tokens.get(sid)
             state = self.requests.pop(sid, None)
-            if state is not None and tokens is not None:
+            if state is not None and state.cache_output and tokens is not None:
                 self._cache(tokens[state.prompt_len:])
         self.histories.release(seq_ids)
 

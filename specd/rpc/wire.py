@@ -18,6 +18,8 @@ def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.Sampli
         msg.seed = p.seed
     if p.num_speculative_tokens is not None:
         msg.num_speculative_tokens = p.num_speculative_tokens
+    if not p.cache_output:
+        msg.cache_output = False
     return msg
 
 
@@ -40,7 +42,7 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, logprobs=(msg.top_logprobs or True) if msg.logprobs else None,
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
-        structured_outputs=structured)
+        structured_outputs=structured, cache_output=msg.cache_output if msg.HasField("cache_output") else True)
 
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\"\'\n\x12\x44rafterInfoRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\"\x99\x02\n\x13\x44rafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nvocab_hash\x18\x05 \x01(\t\x12\r\n\x05max_k\x18\x06 \x01(\r\x12\r\n\x05proof\x18\x07 \x01(\x0c\x12\x1a\n\x12max_history_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x15\n\rtarget_layers\x18\x0b \x01(\r\x12\x1a\n\x12target_fingerprint\x18\x0c \x01(\t\x12\x13\n\x0bone_forward\x18\r \x01(\x08\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x8a\x02\n\x0cProposeEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x14\n\x0c\x66ull_history\x18\x05 \x01(\x08\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0btemperature\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\"\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x1a\n\x12structured_outputs\x18\n \x01(\t\x12\x15\n\rfeatures_from\x18\x0b \x01(\rB\x07\n\x05_seed\"\x82\x01\n\x0cProposeBatch\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12\'\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x16.specd.v1.ProposeEntry\x12\x0f\n\x07release\x18\x04 \x03(\x04\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x0e\n\x06resync\x18\x04 \x01(\x08\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x08\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12\x14\n\x0chistory_held\x18\x07 \x01(\r\"\\\n\rProposalBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12%\n\tproposals\x18\x02 \x03(\x0b\x32\x12.specd.v1.Proposal\x12\x12\n\npropose_ns\x18\x03 \x01(\x04\"4\n\x0eReleaseRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x11\n\x0fReleaseResponse2\xce\x01\n\x07\x44rafter\x12\x43\n\x04Info\x12\x1c.specd.v1.DrafterInfoRequest\x1a\x1d.specd.v1.DrafterInfoResponse\x12>\n\x07Propose\x12\x16.specd.v1.ProposeBatch\x1a\x17.specd.v1.ProposalBatch(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\"\'\n\x12\x44rafterInfoRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\"\x99\x02\n\x13\x44rafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nvocab_hash\x18\x05 \x01(\t\x12\r\n\x05max_k\x18\x06 \x01(\r\x12\r\n\x05proof\x18\x07 \x01(\x0c\x12\x1a\n\x12max_history_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x15\n\rtarget_layers\x18\x0b \x01(\r\x12\x1a\n\x12target_fingerprint\x18\x0c \x01(\t\x12\x13\n\x0bone_forward\x18\r \x01(\x08\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xb6\x02\n\x0cProposeEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnew_tokens\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x14\n\x0c\x66ull_history\x18\x05 \x01(\x08\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x13\n\x0btemperature\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\"\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x1a\n\x12structured_outputs\x18\n \x01(\t\x12\x15\n\rfeatures_from\x18\x0b \x01(\r\x12\x19\n\x0c\x63\x61\x63he_output\x18\x0c \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0f\n\r_cache_output\"\x82\x01\n\x0cProposeBatch\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12\'\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x16.specd.v1.ProposeEntry\x12\x0f\n\x07release\x18\x04 \x03(\x04\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"0\n\x12SparseDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x0e\n\x06resync\x18\x04 \x01(\x08\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x08\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12\x14\n\x0chistory_held\x18\x07 \x01(\r\"\\\n\rProposalBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12%\n\tproposals\x18\x02 \x03(\x0b\x32\x12.specd.v1.Proposal\x12\x12\n\npropose_ns\x18\x03 \x01(\x04\"4\n\x0eReleaseRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x11\n\x0fReleaseResponse2\xce\x01\n\x07\x44rafter\x12\x43\n\x04Info\x12\x1c.specd.v1.DrafterInfoRequest\x1a\x1d.specd.v1.DrafterInfoResponse\x12>\n\x07Propose\x12\x16.specd.v1.ProposeBatch\x1a\x17.specd.v1.ProposalBatch(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=361
   _globals['_TENSOR']._serialized_end=413
   _globals['_PROPOSEENTRY']._serialized_start=416
-  _globals['_PROPOSEENTRY']._serialized_end=682
-  _globals['_PROPOSEBATCH']._serialized_start=685
-  _globals['_PROPOSEBATCH']._serialized_end=815
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=817
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=865
-  _globals['_PROPOSAL']._serialized_start=868
-  _globals['_PROPOSAL']._serialized_end=1025
-  _globals['_PROPOSALBATCH']._serialized_start=1027
-  _globals['_PROPOSALBATCH']._serialized_end=1119
-  _globals['_RELEASEREQUEST']._serialized_start=1121
-  _globals['_RELEASEREQUEST']._serialized_end=1173
-  _globals['_RELEASERESPONSE']._serialized_start=1175
-  _globals['_RELEASERESPONSE']._serialized_end=1192
-  _globals['_DRAFTER']._serialized_start=1195
-  _globals['_DRAFTER']._serialized_end=1401
+  _globals['_PROPOSEENTRY']._serialized_end=726
+  _globals['_PROPOSEBATCH']._serialized_start=729
+  _globals['_PROPOSEBATCH']._serialized_end=859
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=861
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=909
+  _globals['_PROPOSAL']._serialized_start=912
+  _globals['_PROPOSAL']._serialized_end=1069
+  _globals['_PROPOSALBATCH']._serialized_start=1071
+  _globals['_PROPOSALBATCH']._serialized_end=1163
+  _globals['_RELEASEREQUEST']._serialized_start=1165
+  _globals['_RELEASEREQUEST']._serialized_end=1217
+  _globals['_RELEASERESPONSE']._serialized_start=1219
+  _globals['_RELEASERESPONSE']._serialized_end=1236
+  _globals['_DRAFTER']._serialized_start=1239
+  _globals['_DRAFTER']._serialized_end=1445
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features", "structured_outputs", "features_from")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "k", "full_history", "num_prompt_tokens", "temperature", "seed", "features", "structured_outputs", "features_from", "cache_output")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ProposeEntry(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -76,7 +77,8 @@ class ProposeEntry(_message.Message):
     features: Tensor
     structured_outputs: str
     features_from: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., structured_outputs: _Optional[str] = ..., features_from: _Optional[int] = ...) -> None: ...
+    cache_output: bool
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., k: _Optional[int] = ..., full_history: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., structured_outputs: _Optional[str] = ..., features_from: _Optional[int] = ..., cache_output: _Optional[bool] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("client_id", "batch_id", "entries", "release", "traceparent")

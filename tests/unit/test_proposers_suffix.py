@@ -25,9 +25,9 @@ def draft(p: SuffixProposer, seq_id: int, tokens: list[int], k: int = 8) -> list
     return prop.token_ids
 
 
-def finish(p: SuffixProposer, seq_id: int, prompt: list[int], response: list[int]) -> None:
+def finish(p: SuffixProposer, seq_id: int, prompt: list[int], response: list[int], cache_output: bool = True) -> None:
     """A whole request: first contact with the prompt, the response committed token by token, release."""
-    p.propose([full(seq_id, prompt, 0)])
+    p.propose([full(seq_id, prompt, 0, cache_output=cache_output)])
     n = len(prompt)
     for tok in response:
         n += 1
@@ -53,6 +53,19 @@ def test_drafts_from_global_cache_of_previous_request():
     assert draft(p, 2, [7, 8, 9, 50, 51, 52]) == [53, 54, 55]
     # the cache holds responses only: the previous prompt does not leak in
     assert draft(p, 3, [40, 41, 1, 2]) == []
+
+
+def test_a_request_can_keep_its_answer_out_of_the_global_cache():
+    p = make()
+    finish(p, 1, prompt=[1, 2, 3], response=[50, 51, 52, 53, 54, 55, 56], cache_output=False)
+    assert 1 not in p.requests and not p.cached
+    assert draft(p, 2, [7, 8, 9, 50, 51, 52]) == []
+    # it still drafts from answers that others let in
+    finish(p, 3, prompt=[1, 2, 3], response=[60, 61, 62, 63, 64, 65])
+    (prop,) = p.propose([full(4, [7, 60, 61, 62], 8, cache_output=False)])
+    assert prop.token_ids == [63, 64, 65]
+    p.release([4])
+    assert len(p.cached) == 1
 
 
 def test_global_cache_disabled_and_fifo_eviction():
