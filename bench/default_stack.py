@@ -9,16 +9,24 @@ What runs, in this order, on one machine:
    (chat questions, code edits that repeat the prompt, summaries of a given text), temperature
    and batch (B concurrent streams; a batch-B cell sends max(B, --batch-prompts) prompts, B at a
    time): plain (k = 0 in the request), the server's own choice (no
-   `speculative` field) and plain again, --repeats times, interleaved; the server's ratio is its
+   `speculative` field) and plain again, --repeats times, interleaved (at batch 1 prompt by
+   prompt: each prompt goes through that whole order before the next); the server's ratio is its
    mean tok/s over the mean of the plain runs. Greedy rows also check that the server's choice gave
    plain's text for every request;
-2. after each workload's cells, --rounds rounds at batch 1, greedy, each running in turn:
+2. after each workload's cells, --rounds rounds at batch 1, greedy, each running in turn, prompt
+   by prompt:
    in-process plain decode (specd.LLM in a process of its own, loaded once, the dtype `auto`
    picks, the same threads: what the service split is measured against), specd plain and
    specd's choice, specd plain read by a minimal SSE reader instead of the official client,
    and with --llama-server llama.cpp's server on a GGUF of the same weights, plain and with
    its n-gram speculation (--spec-type ngram-mod), both loaded beside the stack for the whole
    run; ratios are taken within a round.
+
+With --warm N the stack first serves N other conversations (training prompts, none held out), so its
+suffix index drafts from their answers as a server that has been up a while does; every measured
+request sends `speculative: {cache_output: false}`, so no run drafts from the answers of another
+run of the same prompts (without --warm the index's cache stays empty: a fresh server).
+llama-server's n-gram state is not warmed (at its speed here N answers would take most of an hour).
 
 Sampled cells (T > 0) ask for exactly max_tokens tokens per stream (ignore_eos): a sampled answer's
 length changes from run to run, and with it the cell's time, more than speculation does.
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import zip_longest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,8 +58,13 @@ from specd.cli.up import http_ok  # noqa: E402
 STARTUP_S = 300.0
 
 
+# Every measured request keeps its answer out of the suffix index's cache (see main).
+PRIVATE = {"cache_output": False}
+
+
 def stream_one(client, model: str, messages: list[dict], max_tokens: int, temperature: float, extra: dict | None):
-    """One streamed chat completion -> (text, completion tokens, seconds to first text, usage.speculative)."""
+    """One streamed chat completion -> (text, completion tokens, seconds to first text, usage.speculative,
+    seconds in all)."""
     t0 = time.perf_counter()
     first, text, usage = None, "", None
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
@@ -63,7 +77,7 @@ def stream_one(client, model: str, messages: list[dict], max_tokens: int, temper
         if chunk.usage is not None:
             usage = chunk.usage
     spec = (usage.model_extra or {}).get("speculative") if usage is not None else None
-    return text, usage.completion_tokens if usage else 0, first or 0.0, spec
+    return text, usage.completion_tokens if usage else 0, first or 0.0, spec, time.perf_counter() - t0
 
 
 def run_cell(client, model: str, prompts: list[list[dict]], batch: int, max_tokens: int, temperature: float,
@@ -79,12 +93,31 @@ def run_cell(client, model: str, prompts: list[list[dict]], batch: int, max_toke
             "spec": [r[3] for r in results]}
 
 
+def one_at_a_time(prompts: list, modes: dict, order: list[str]) -> dict[str, list[dict]]:
+    """Batch 1 with the modes interleaved prompt by prompt: for each prompt, every slot of `order`
+    (mode names; a name repeated is that mode's next run) one after another, so the requests a
+    ratio compares ran seconds apart, not a minute (this machine drifts 10-20% within minutes).
+    modes[name](prompt index, messages) -> (text, completion tokens, seconds to first text, speculation,
+    seconds).
+    -> per mode, its runs in order, each over every prompt: tok/s, tokens, wall_s, ttft_s, texts, spec."""
+    runs: dict[str, list[list]] = {name: [[] for _ in range(order.count(name))] for name in set(order)}
+    for i, messages in enumerate(prompts):
+        seen = dict.fromkeys(runs, 0)
+        for name in order:
+            runs[name][seen[name]].append(modes[name](i, messages))
+            seen[name] += 1
+    return {name: [{"tok_s": sum(r[1] for r in rs) / sum(r[4] for r in rs), "tokens": sum(r[1] for r in rs),
+                    "wall_s": sum(r[4] for r in rs), "ttft_s": statistics.median(r[2] for r in rs),
+                    "texts": [r[0] for r in rs], "spec": [r[3] for r in rs]} for rs in mode_runs]
+            for name, mode_runs in runs.items()}
+
+
 def in_process_worker(conn, threads: int, max_tokens: int, prompts: dict[str, list[list[dict]]]) -> None:
     """A child process holding specd.LLM (the dtype `auto` picks, `threads` torch threads, one
-    thread for every call as the verifier): per workload asked for over conn, its batch-1 prompts
-    one after another -> tok/s. Kept loaded for the whole run, so in-process plain decode is
-    measured right around the HTTP cells it is compared with (this machine's speed drifts
-    10-20% within minutes)."""
+    thread for every call as the verifier): per (workload, prompt index) asked for over conn, that
+    prompt's greedy answer -> (completion tokens, seconds). Kept loaded for the whole run, so
+    in-process plain decode is measured right beside the HTTP requests it is compared with (this
+    machine's speed drifts 10-20% within minutes)."""
     import torch
 
     from specd import LLM, SamplingParams
@@ -97,14 +130,11 @@ def in_process_worker(conn, threads: int, max_tokens: int, prompts: dict[str, li
     for w in ids:  # every prompt once first, so its KV is in the prefix cache as in the HTTP runs (warm_up)
         llm.generate(ids[w], SamplingParams(temperature=0, max_tokens=1))
     conn.send(str(llm.engine.dtype).removeprefix("torch."))
-    while (w := conn.recv()) is not None:
-        tokens, seconds = 0, 0.0
-        for p in ids[w]:
-            t0 = time.perf_counter()
-            (out,) = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens))
-            seconds += time.perf_counter() - t0
-            tokens += len(out.token_ids)
-        conn.send(tokens / seconds)
+    while (asked := conn.recv()) is not None:
+        w, i = asked
+        t0 = time.perf_counter()
+        (out,) = llm.generate([ids[w][i]], SamplingParams(temperature=0, max_tokens=max_tokens))
+        conn.send((len(out.token_ids), time.perf_counter() - t0))
 
 
 class InProcess:
@@ -117,8 +147,9 @@ class InProcess:
         self.proc.start()
         self.dtype = self.conn.recv()
 
-    def tok_s(self, workload: str) -> float:
-        self.conn.send(workload)
+    def one(self, workload: str, index: int) -> tuple[int, float]:
+        """Prompt `index` of the workload's batch-1 prompts -> (completion tokens, seconds)."""
+        self.conn.send((workload, index))
         return self.conn.recv()
 
     def stop(self) -> None:
@@ -126,28 +157,26 @@ class InProcess:
         self.proc.join(30)
 
 
-def raw_sse_cell(url: str, model: str, prompts: list[list[dict]], max_tokens: int) -> dict:
+def raw_sse_one(url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[int, float]:
     """Plain over HTTP read by a minimal SSE reader (http.client, lines, the usage chunk parsed)
     instead of the official client: the client runs on the same cores as the stack, and the
-    official one's parsing of every chunk takes CPU the verifier then lacks."""
+    official one's parsing of every chunk takes CPU the verifier then lacks. -> (tokens, seconds)"""
     import http.client
     from urllib.parse import urlparse
 
     u = urlparse(url)
-    tokens, t0 = 0, time.perf_counter()
-    for messages in prompts:
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "speculative": {"num_speculative_tokens": 0}}),
-            {"content-type": "application/json"})
-        response, last = conn.getresponse(), b""
-        while line := response.readline():
-            if line.startswith(b"data: {"):
-                last = line
-        tokens += json.loads(last[6:])["usage"]["completion_tokens"]
-        conn.close()
-    return {"tok_s": tokens / (time.perf_counter() - t0), "tokens": tokens}
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "speculative": {"num_speculative_tokens": 0, **PRIVATE}}),
+        {"content-type": "application/json"})
+    response, last = conn.getresponse(), b""
+    while line := response.readline():
+        if line.startswith(b"data: {"):
+            last = line
+    conn.close()
+    return json.loads(last[6:])["usage"]["completion_tokens"], time.perf_counter() - t0
 
 
 class Server:
@@ -174,25 +203,56 @@ class Server:
                 self.proc.wait()
 
 
-def warm_up(client, model: str, prompts) -> None:
+def warm_up(client, model: str, prompts, extra: dict | None = None) -> None:
     """Each prompt once, one token, untimed: with the server's prefix cache, the first run of a
     cell would otherwise be the only one to compute its prompts (a speculative run between two
     plain ones then looked up to 12% faster with no drafts at all)."""
-    run_cell(client, model, prompts, 1, 1, 0.0, None)
+    run_cell(client, model, prompts, 1, 1, 0.0, extra)
+
+
+def warm_server(client, model: str, n: int, max_tokens: int) -> dict:
+    """n conversations as a server that has been up a while has served them: half the stdlib-built
+    training prompts (questions, code edits, summaries, explanations from the corpus's training split),
+    half everyday questions (training/specd_train/drafter/questions.py, subjects chosen apart from the
+    held-out chat questions), none of the held-out ones; the server's choice, 16 streams at a time,
+    2 in 3 greedy and 1 in 3 at T 0.7 (seeded); their answers stay in the suffix index's cache."""
+    from specd_train.drafter.prompts import training_prompts
+    from specd_train.drafter.questions import everyday_questions
+
+    built, asked = training_prompts(n - n // 2), everyday_questions(n // 2)
+    prompts = [m for pair in zip_longest(built, asked) for m in pair if m is not None]
+
+    def one(i: int) -> int:
+        r = client.chat.completions.create(model=model, messages=prompts[i], max_tokens=max_tokens,
+                                           temperature=0.7 if i % 3 == 2 else 0.0, seed=i)
+        return r.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        tokens = sum(pool.map(one, range(len(prompts))))
+    print(f"warm: {len(prompts)} conversations, {tokens} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"conversations": len(prompts), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def interleaved(client, model: str, prompts, batch: int, args, temperature: float, modes: dict) -> dict:
     """plain, then args.repeats times each other mode followed by plain again; a mode's ratio is
     its mean tok/s over the mean of every plain run (one plain run on each side of each of its runs:
     this machine's speed drifts 10-20% between runs a minute apart, so one run each side could
-    not tell 0.97x from 1.0x)."""
-    warm_up(client, model, prompts)
-    plain = [run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"])]
-    cells: dict[str, list] = {name: [] for name in modes if name != "plain"}
-    for _ in range(args.repeats):
-        for name in cells:
-            cells[name].append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes[name]))
-            plain.append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"]))
+    not tell 0.97x from 1.0x). At batch 1 that order runs prompt by prompt (one_at_a_time)."""
+    warm_up(client, model, prompts, {"speculative": PRIVATE})
+    others = [name for name in modes if name != "plain"]
+    if batch == 1:  # the same order, prompt by prompt
+        runs = one_at_a_time(prompts, {name: lambda _, m, extra=extra: stream_one(
+            client, model, m, args.max_tokens, temperature, extra) for name, extra in modes.items()},
+            ["plain"] + [x for _ in range(args.repeats) for name in others for x in (name, "plain")])
+        plain, cells = runs["plain"], {name: runs[name] for name in others}
+    else:
+        plain = [run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"])]
+        cells = {name: [] for name in others}
+        for _ in range(args.repeats):
+            for name in cells:
+                cells[name].append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes[name]))
+                plain.append(run_cell(client, model, prompts, batch, args.max_tokens, temperature, modes["plain"]))
     out = {"plain": _row(plain)}
     for name, runs in cells.items():
         row = _row(runs)
@@ -212,6 +272,11 @@ def interleaved(client, model: str, prompts, batch: int, args, temperature: floa
     return out
 
 
+def _ts(tokens: int, seconds: float) -> tuple:
+    """(tokens, seconds) as one_at_a_time's result tuple (no text, TTFT or speculation)."""
+    return "", tokens, 0.0, None, seconds
+
+
 def _row(runs: list[dict]) -> dict:
     """Runs of one mode -> their mean tok/s and TTFT, with each run's tok/s."""
     return {"tok_s": statistics.mean(r["tok_s"] for r in runs), "runs_tok_s": [r["tok_s"] for r in runs],
@@ -220,23 +285,28 @@ def _row(runs: list[dict]) -> dict:
 
 
 def comparison_rounds(w: str, prompts, args, in_process: InProcess, client, model: str, url: str, llama: dict) -> list:
-    """Batch 1, greedy, the workload's prompts: args.rounds rounds, each running in turn in-process
-    plain decode, specd plain and specd's own choice (official client), specd plain read by a
-    minimal SSE reader, and llama-server plain and n-gram: every ratio is taken within a round,
-    the runs it compares minutes apart at most (this machine's speed drifts 10-20% within minutes)."""
-    plain = {"speculative": {"num_speculative_tokens": 0}}
+    """Batch 1, greedy, the workload's prompts: args.rounds rounds, each running prompt by prompt
+    (one_at_a_time) in-process plain decode, specd plain and specd's own choice (official client),
+    specd plain read by a minimal SSE reader, and llama-server plain and n-gram: every ratio is taken
+    within a round, the requests it compares seconds apart (this machine's speed drifts 10-20%
+    within minutes)."""
+    plain, choice = {"speculative": {"num_speculative_tokens": 0, **PRIVATE}}, {"speculative": PRIVATE}
     for server in llama.values():
         warm_up(server.client, "model", prompts)  # llama-server caches prompts too
+    modes = {"in_process": lambda i, _: _ts(*in_process.one(w, i)),
+             "specd_plain": lambda _, m: stream_one(client, model, m, args.max_tokens, 0.0, plain),
+             "specd_choice": lambda _, m: stream_one(client, model, m, args.max_tokens, 0.0, choice),
+             "specd_plain_raw_sse": lambda _, m: _ts(*raw_sse_one(url, model, m, args.max_tokens)),
+             **{f"llama_server_{mode}": lambda _, m, c=server.client: stream_one(c, "model", m, args.max_tokens, 0.0,
+                                                                                 None)
+                for mode, server in llama.items()}}
     rounds = []
     for i in range(args.rounds):
-        row = {"in_process": in_process.tok_s(w),
-               "specd_plain": run_cell(client, model, prompts, 1, args.max_tokens, 0.0, plain)["tok_s"],
-               "specd_choice": run_cell(client, model, prompts, 1, args.max_tokens, 0.0, None)["tok_s"],
-               "specd_plain_raw_sse": raw_sse_cell(url, model, prompts, args.max_tokens)["tok_s"]}
-        for mode, server in llama.items():
-            if mode == "ngram" and i > 0:
-                continue  # its n-gram state keeps the answers of the round before: the same prompts would draft them
-            row[f"llama_server_{mode}"] = run_cell(server.client, "model", prompts, 1, args.max_tokens, 0.0, None)["tok_s"]
+        # n-gram in the first round only: its state keeps the answers of the round before, which
+        # the same prompts would draft
+        order = [name for name in modes if not (name == "llama_server_ngram" and i > 0)]
+        runs = one_at_a_time(prompts, modes, order)
+        row = {name: runs[name][0]["tok_s"] for name in order}
         rounds.append(row)
         print(f"{w} round: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     return rounds
@@ -261,6 +331,10 @@ def main() -> None:
                     "by a plain run (the cell starts with one)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the batch-1 greedy comparisons (in-process, "
                     "raw SSE reader, llama-server) per workload")
+    ap.add_argument("--warm", type=int, default=0,
+                    help="first serve this many other conversations (training prompts, none of the held-out ones) as "
+                         "the server's choice, so the suffix index's cache of finished answers holds theirs, as a server "
+                         "that has been serving for a while (0: a fresh server, nothing cached)")
     ap.add_argument("--out", default="bench/results/default_stack")
     args = ap.parse_args()
     from openai import OpenAI
@@ -298,22 +372,25 @@ def main() -> None:
                                         timeout=600)
 
     port = free_port()
-    # The one departure from the defaults: the suffix index keeps no answers of finished requests,
-    # or the interleaved runs (the same prompts, greedy: the same answers) would draft each other.
-    up = Server([sys.executable, "-m", "specd.cli", "up", "--drafter", "draft_model", "--local-drafter",
-                 'suffix:{"suffix_decoding_max_cached_requests": 0}', "--threads", str(args.threads), "--port", str(port),
+    # `specd up` as it starts by default. Every measured request asks that its answer not be kept
+    # in the suffix index's cache (cache_output false), or the interleaved runs (the same prompts,
+    # greedy: the same answers) would draft each other; it still drafts from what --warm put there.
+    up = Server([sys.executable, "-m", "specd.cli", "up", "--threads", str(args.threads), "--port", str(port),
                  "--verifier-port", str(free_port()), "--drafter-port", str(free_port()), "--metrics-port", "0"],
                 f"http://127.0.0.1:{port}/health")
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
+        if args.warm:
+            info["warm"] = warm_server(client, model, args.warm, args.max_tokens)
         for w in workloads:
             for temperature in temperatures:
                 # A sampled answer's length changes run to run (the plain runs of one batch-8 cell took
                 # 1.5 to 4.1 s), more than speculation changes its speed: sampled cells decode exactly
                 # max_tokens tokens per stream (ignore_eos), so every run does the same work.
                 fixed = {"ignore_eos": True} if temperature > 0 else {}
-                modes = {"plain": {"speculative": {"num_speculative_tokens": 0}, **fixed}, "default": fixed or None}
+                modes = {"plain": {"speculative": {"num_speculative_tokens": 0, **PRIVATE}, **fixed},
+                         "default": {"speculative": PRIVATE, **fixed}}
                 for batch in batches:
                     key = f"{w} T={temperature:g} batch={batch}"
                     cell = interleaved(client, model, cell_prompts(w, batch), batch, args, temperature, modes)
@@ -345,19 +422,24 @@ def report(r: dict) -> str:
     m, a = r["machine"], r["args"]
     lines = ["# The default stack: `specd up` as a newcomer starts it", "",
              f"Command: `python bench/default_stack.py --threads {a['threads']}"
-             + "".join(f" --{k} {a[k]}" for k, full in (("batches", "1,8,32"), ("temperatures", "0,0.7"))
-                       if a[k] != full)
+             + "".join(f" --{k} {a[k]}" for k, full in (("workloads", "chat,code_edit,summarize"), ("batches", "1,8,32"),
+                                                        ("temperatures", "0,0.7"), ("warm", 0)) if a.get(k, full) != full)
              + (" --llama-server ... --gguf ..." if a["llama_server"] else "") + "`", "",
              f"SmolLM2-135M-Instruct in {m['dtype']} (what `auto` picks here), `specd up --threads {a['threads']}` "
-             f"with its defaults (drafters: the trained draft model and a suffix index; the one change: the suffix "
-             "index keeps no answers of finished requests, else the interleaved runs of the same prompts would draft "
-             "each other's answers), the official `openai` "
+             "with its defaults (drafters: the trained draft model and a suffix index), "
+             + (f"after serving {m['warm']['conversations']} other conversations ({m['warm']['tokens']:,} tokens: "
+                "training prompts and everyday questions, none of the held-out ones; the server's choice, 2 in 3 greedy), "
+                "whose answers the suffix index keeps and drafts from, "
+                if m.get("warm") else "fresh (its suffix index holds no finished answers), ")
+             + "every measured request with `speculative: {cache_output: false}` (its own answer is not kept, else the "
+             "interleaved runs of the same prompts would draft each other's), the official `openai` "
              f"client, streamed chat completions, up to {a['max_tokens']} tokens (sampled cells, T > 0: exactly "
              f"{a['max_tokens']} per stream, ignore_eos, as a sampled answer's length changes run to run); batch 1 sends {a['prompts']} "
              f"held-out prompts one after another, batch B sends max(B, {a.get('batch_prompts', 0)}) prompts, "
              "B concurrent streams at a time (a stream that ends makes room for the next prompt). "
-             "Plain = `speculative: {num_speculative_tokens: 0}` in the request; server's choice = no field. "
-             f"Runs interleaved: plain, then {a.get('repeats', 1)} times server's choice and plain again; tok/s is a mode's "
+             "Plain = `num_speculative_tokens: 0` in the request's `speculative`; server's choice = no k, no drafter. "
+             f"Runs interleaved: plain, then {a.get('repeats', 1)} times server's choice and plain again (at batch 1 "
+             "prompt by prompt: each prompt goes through that order before the next); tok/s is a mode's "
              "mean over its runs, the ratio choice's mean over plain's, and 'runs' gives each choice run over the "
              "two plain runs around it (this machine drifts 10-20% between runs a minute apart). "
              "Every cell first sends its prompts once for one token, untimed (llama-server's cells too), so each "
@@ -374,7 +456,7 @@ def report(r: dict) -> str:
                      f"{', '.join(f'{k} {v}' for k, v in d['drafters'].items()) or '-'} | "
                      f"{str(d['identical']) + '/' + str(n) if 'identical' in d else '-'} |")
     lines += ["", f"Batch 1, greedy, the same prompts, in {a['rounds']} rounds per workload after its cells; each round "
-              "runs in turn: in-process plain decode (specd.LLM in a process of its own, loaded once, same dtype and "
+              "runs prompt by prompt, each prompt in turn through: in-process plain decode (specd.LLM in a process of its own, loaded once, same dtype and "
               "threads), specd plain and specd's own choice over HTTP (the official client), specd plain read by a "
               "minimal SSE reader (http.client: the client shares the stack's 2 cores, and the official client's "
               "parsing of each chunk is CPU the verifier lacks), and llama.cpp's `llama-server` on a GGUF of the same "

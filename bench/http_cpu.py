@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from default_stack import InProcess, Server, raw_sse_cell, stream_one  # noqa: E402
+from default_stack import InProcess, Server, raw_sse_one, stream_one  # noqa: E402
 from machine import machine_info  # noqa: E402
 from real_pair_http import free_port  # noqa: E402
 
@@ -81,7 +81,12 @@ def measure_round(client, model: str, url: str, prompts, max_tokens: int, procs:
     by_thread = sorted(((threads_after[t] - threads_before[t]) / tokens * 1e3 for t in verifier_threads), reverse=True)
     return {"tok_s": tokens / seconds, "ms_per_token": seconds / tokens * 1e3, "cpu_ms_per_token": per_token,
             "verifier_threads_ms_per_token": [round(x, 3) for x in by_thread if x > 0.005],
-            "raw_sse_tok_s": raw_sse_cell(url, model, prompts, max_tokens)["tok_s"]}
+            "raw_sse_tok_s": tok_s([raw_sse_one(url, model, m, max_tokens) for m in prompts])}
+
+
+def tok_s(answers: list[tuple[int, float]]) -> float:
+    """(tokens, seconds) of requests made one after another -> tok/s over them all."""
+    return sum(n for n, _ in answers) / sum(s for _, s in answers)
 
 
 def main() -> None:
@@ -115,7 +120,7 @@ def main() -> None:
             stream_one(client, model, messages, 1, 0.0, {"speculative": {"num_speculative_tokens": 0}})
         procs = stack_processes(up.proc.pid)
         for i in range(args.rounds):
-            in_process_tok_s = in_process.tok_s("chat")
+            in_process_tok_s = tok_s([in_process.one("chat", j) for j in range(len(prompts))])
             r = measure_round(client, model, f"http://127.0.0.1:{port}", prompts, args.max_tokens, procs)
             r["in_process_tok_s"] = in_process_tok_s
             rounds.append(r)

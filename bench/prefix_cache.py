@@ -67,7 +67,7 @@ def conversation(client, model: str, system: str, question: str, turns: int, max
     messages, out = [{"role": "system", "content": system}], []
     for turn, ask in enumerate((question, *FOLLOW_UPS)[:turns]):
         messages.append({"role": "user", "content": ask})
-        text, _, ttft, _ = stream_one(client, model, messages, max_tokens, 0.0, None)
+        text, _, ttft, *_ = stream_one(client, model, messages, max_tokens, 0.0, None)
         messages.append({"role": "assistant", "content": text})
         out.append({"turn": turn, "ttft_s": ttft, "text": text})
     return out
