@@ -321,7 +321,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for req in list(self.requests.values()):
             if req.seq is not None and not req.seq.is_finished:
-                self.engine.abort(req.seq.seq_id)
+                try:
+                    self.engine.abort(req.seq.seq_id)
+                except Exception:  # noqa: BLE001 — every other request must still get its error
+                    log.exception("aborting request %s after a failed step", req.request_id)
             req.queue.put_nowait(error)
             if self.metrics is not None:
                 self.metrics.requests.labels("error").inc()

@@ -194,6 +194,9 @@ class Scheduler:
         if moves[0] and copy_kv is not None:
             copy_kv(*moves)
         for seq, reason in stops:  # after the tree's KV commit: its full blocks are cached as they are
+            # Drafts accepted past the stop computed KV for tokens the sequence does not keep: a
+            # block holding them must not enter the prefix cache (nor be hashed from tokens it lacks).
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq))
             self.finish(seq, reason)
         for seq in rollback:  # rejected slots, after the KV commit read them (finished: already freed)
             self.blocks.truncate(seq, seq.num_computed_tokens)
@@ -267,11 +270,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status == SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status == SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        self._cache_blocks(seq)  # a finished turn's KV serves the conversation's next request
-        self.blocks.free(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
+        # An abort after a step that failed inside finish() finds seq out of its queue already.
+        queue = self.running if seq.status == SeqStatus.RUNNING else self.waiting
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING) and seq in queue:
+            queue.remove(seq)
+        try:
+            self._cache_blocks(seq)  # a finished turn's KV serves the conversation's next request
+        finally:  # whatever caching did, the blocks go back
+            self.blocks.free(seq)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = reason

@@ -155,6 +155,43 @@ def test_postprocess_stops_inside_accepted_drafts_and_at_the_caps():
     assert not sched.has_unfinished() and sched.blocks.num_free_blocks == 50
 
 
+def test_a_stop_inside_accepted_drafts_caches_only_the_blocks_it_keeps():
+    """Drafts accepted past an eos had their KV computed: the finished sequence's prefix-cache
+    commit must stop at its own tokens (it had hashed blocks of tokens it lacked: IndexError)."""
+    eos = 2
+    bm = BlockManager(50, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, 8, 100, eos_token_ids=[eos])
+    a = _seq(6)
+    batch = _decoding(sched, a)  # 7 tokens, 6 computed
+    sched.attach_drafts(batch, {a.seq_id: Drafts([4, 4, 4, 4, 4])})  # positions 6..11
+    assert sched.postprocess(batch, [[eos, 4, 4, 4, 4, 4]]) == [a]  # every draft accepted, eos first
+    assert a.output_token_ids == [7, eos] and a.finish_reason == "stop"
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 50  # 8 tokens: two full blocks, none past them
+    b = Sequence(a.prompt_token_ids + a.output_token_ids + [5], SamplingParams(max_tokens=4))
+    assert len(bm.match_prefix(b)) == 2
+
+
+def test_a_finish_that_fails_to_cache_still_frees_its_blocks():
+    class Failing(BlockManager):
+        fail = False
+
+        def commit(self, seq):
+            if self.fail:
+                raise RuntimeError("commit failed")
+            return super().commit(seq)
+
+    bm = Failing(10, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, 8, 100)
+    a = _seq(6)
+    _decoding(sched, a)
+    bm.fail = True
+    with pytest.raises(RuntimeError):
+        sched.finish(a, "stop")
+    # Finished, so the verifier's abort of every request after the failed step (LLMEngine.abort)
+    # passes over it, and none of its blocks is lost.
+    assert a.is_finished and bm.num_free_blocks == 10 and not sched.running and not sched.has_unfinished()
+
+
 def test_postprocess_runs_the_stop_checker():
     class StopAfter:
         def __init__(self, token):
