@@ -214,8 +214,9 @@ def warm_server(client, model: str, n: int, max_tokens: int) -> dict:
     """n conversations as a server that has been up a while has served them: half the stdlib-built
     training prompts (questions, code edits, summaries, explanations from the corpus's training split),
     half everyday questions (training/specd_train/drafter/questions.py, subjects chosen apart from the
-    held-out chat questions), none of the held-out ones; the server's choice, 16 streams at a time,
-    2 in 3 greedy and 1 in 3 at T 0.7 (seeded); their answers stay in the suffix index's cache."""
+    held-out chat questions), none of the held-out ones; 16 streams at a time, 2 in 3 greedy and 1 in 3
+    at T 0.7, each seeded with its index (a seeded request drafts at the server's full k, so the index
+    reads every answer whole); their answers stay in the suffix index's cache."""
     from specd_train.drafter.prompts import training_prompts
     from specd_train.drafter.questions import everyday_questions
 
@@ -428,7 +429,7 @@ def report(r: dict) -> str:
              f"SmolLM2-135M-Instruct in {m['dtype']} (what `auto` picks here), `specd up --threads {a['threads']}` "
              "with its defaults (drafters: the trained draft model and a suffix index), "
              + (f"after serving {m['warm']['conversations']} other conversations ({m['warm']['tokens']:,} tokens: "
-                "training prompts and everyday questions, none of the held-out ones; the server's choice, 2 in 3 greedy), "
+                "training prompts and everyday questions, none of the held-out ones; 2 in 3 greedy, seeded: full k), "
                 "whose answers the suffix index keeps and drafts from, "
                 if m.get("warm") else "fresh (its suffix index holds no finished answers), ")
              + "every measured request with `speculative: {cache_output: false}` (its own answer is not kept, else the "
