@@ -270,10 +270,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        # An abort after a step that failed inside finish() finds seq out of its queue already.
-        queue = self.running if seq.status == SeqStatus.RUNNING else self.waiting
-        if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING) and seq in queue:
-            queue.remove(seq)
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
         try:
             self._cache_blocks(seq)  # a finished turn's KV serves the conversation's next request
         finally:  # whatever caching did, the blocks go back
