@@ -162,15 +162,18 @@ def run(args) -> int:
 LOCAL_DRAFTER_K = 8
 
 
-def local_drafters(entries: list[tuple[str, dict]], spec):
-    """(method, proposer) of each --local-drafter."""
+def local_drafters(entries: list[tuple[str, dict]], spec, vocab_hash: str = ""):
+    """(method, proposer) of each --local-drafter; a datastore must share the target's vocabulary."""
     from specd.config import SpeculativeConfig
     from specd.proposers.factory import make_proposer
 
     for method, options in entries:
         k = max(LOCAL_DRAFTER_K, spec.num_speculative_tokens)
         config = SpeculativeConfig.parse({"num_speculative_tokens": k, **options, "method": method})
-        yield method, make_proposer(config, target_vocab_size=None)
+        proposer = make_proposer(config, target_vocab_size=None)
+        if getattr(proposer, "datastore", None) is not None:
+            proposer.datastore.check_vocab(vocab_hash)
+        yield method, proposer
 
 
 def allowed_addresses(patterns: list[str] | None, startup: list[tuple[str, str, bool]]) -> list[str]:
@@ -203,10 +206,11 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         from specd.engine.loader import read_arch_config, resolve_model_dir
 
         model_dir = resolve_model_dir(config.model, weights=False)  # config and tokenizer: a .gguf is not converted
-        pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash_of(model_dir),
+        vocab_hash = vocab_hash_of(model_dir)
+        pool = DrafterPool(read_arch_config(model_dir).vocab_size, vocab_hash,
                            args.propose_timeout_ms / 1e3, metrics, security,
                            allowed_addresses(args.allow_drafter_address, startup))
-        for method, proposer in local_drafters(args.local_drafter, spec):
+        for method, proposer in local_drafters(args.local_drafter, spec, vocab_hash):
             pool.add_local(method, proposer)
     from specd.proposers.factory import in_process_proposer
 

@@ -139,6 +139,7 @@ SERVICE_COMMANDS = {
 TRAINING_COMMANDS = {
     "train-drafter": "specd_train.drafter.command",
     "drafter-data": "specd_train.drafter.data_command",
+    "datastore": "specd_train.drafter.datastore_command",
     "demo-models": "specd_train.demo.command",
 }
 TRAINING_MISSING = ("`specd {name}` needs the training package, which serving installs leave out: "

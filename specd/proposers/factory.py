@@ -74,5 +74,10 @@ def in_process_proposer(spec: SpeculativeConfig, engine):
         spec = spec.model_copy(update={"draft_dtype": str(engine.dtype).removeprefix("torch.")})
     # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts correlated
     # with the acceptance uniforms); derived from it, runs stay reproducible.
-    return make_proposer(spec, target_vocab_size=engine.arch.vocab_size, device=engine.device,
-                         seed=draft_seed(engine.config.seed, -1))
+    proposer = make_proposer(spec, target_vocab_size=engine.arch.vocab_size, device=engine.device,
+                             seed=draft_seed(engine.config.seed, -1))
+    if getattr(proposer, "datastore", None) is not None:
+        from specd.models.tokenizer import vocab_hash_of
+
+        proposer.datastore.check_vocab(vocab_hash_of(engine.model_dir))
+    return proposer

@@ -198,3 +198,37 @@ def test_bad_options():
     with pytest.raises(TypeError, match="suffix_decoding_max_depth"):
         make(suffix_decoding_max_depth=3)
     make(prompt_lookup_min=2)  # another method's key: accepted, unused
+
+
+def test_the_requests_own_draft_stands_unless_a_cached_one_scores_over_twice_as_high():
+    p = make()
+    for sid in range(1, 6):  # five cached answers agree on 19 20 21 -> 30 31 32 33
+        finish(p, sid, prompt=[sid], response=[19, 20, 21, 30, 31, 32, 33])
+    # the request's own history has 20 21 -> 40 41 (score 0.5 + 0.5); the cache's 20 21 -> 30 31
+    # scores 2: higher, not over twice as high
+    own_history = [9, 20, 21, 40, 41, 42, 8, 20, 21]
+    index = SequenceIndex(24)
+    index.extend(own_history)
+    own_score = index.speculate(8, 1.0, 0.1)[1]
+    assert own_score < p.global_trie.speculate(own_history, 8, 1.0, 0.1)[1] <= 2 * own_score
+    assert draft(p, 99, own_history) == [40, 41]
+    # after 19 20 21 the cache matches 3 tokens and drafts 3 (score 3): over twice as high
+    assert draft(p, 100, own_history[:-2] + [19, 20, 21]) == [30, 31, 32]
+    # with no draft of its own (the context never recurs in it), the cache's
+    assert draft(p, 101, [9, 8, 20, 21]) == [30, 31]
+
+
+def test_a_datastore_drafts_where_the_request_has_nothing(tmp_path):
+    from specd.config import SpeculativeConfig
+    from specd.proposers.datastore import save
+    from specd.proposers.factory import make_proposer
+
+    save(tmp_path / "ds", [[60, 61, 62, 63, 64], [5, 60, 61, 62, 63]], {"vocab_hash": ""})
+    spec = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 8,
+                                    "suffix_decoding_datastore": str(tmp_path / "ds"),
+                                    "suffix_decoding_max_cached_requests": 0})
+    p = make_proposer(spec, target_vocab_size=None)
+    assert draft(p, 1, [1, 2, 60, 61]) == [62, 63]  # the match's length (2) bounds the draft
+    assert draft(p, 2, [1, 2, 3]) == []  # nothing matches
+    assert draft(p, 3, [60, 61, 62, 7, 60, 61]) == [62, 7]  # its own history first
+    assert make(suffix_decoding_max_cached_requests=0).propose([full(4, [1, 2, 60, 61], 8)])[0].token_ids == []

@@ -197,7 +197,8 @@ def write_checkpoint(out: Path, file: str, state: dict[str, torch.Tensor], confi
 def acceptance(proposer, seqs, feats, prompt_lens, k: int) -> dict:
     """Greedy speculation replayed through the serving proposer on the target's own greedy
     answers: after the prefill (prompt + the target's first token) each step sends the newly
-    committed tokens with the rows that predicted them, as the verifier does; the drafts are
+    committed tokens with the rows that predicted them (feats: None for a drafter that reads
+    none), as the verifier does; the drafts are
     accepted while they equal the answer, then the answer's next token is committed too."""
     from specd.proposers.base import ProposeRequest
 
@@ -209,7 +210,8 @@ def acceptance(proposer, seqs, feats, prompt_lens, k: int) -> dict:
         while c < n:
             full = done == 0
             req = ProposeRequest(seq_id=sid, new_tokens=ids[done:c], num_tokens=c, k=min(k, n - c), full_history=full,
-                                 features=f[0 if full else done - 1: c - 1], feature_layers=proposer.feature_layers)
+                                 features=None if f is None else f[0 if full else done - 1: c - 1],
+                                 feature_layers=getattr(proposer, "feature_layers", ()))
             drafts = proposer.propose([req])[0].token_ids
             j = 0
             while j < len(drafts) and drafts[j] == ids[c + j]:
