@@ -2,7 +2,8 @@
 retrieval from a datastore; here the datastore is the target's own answers, so it drafts what
 this target says, and it is SuffixDecoding's global tree filled before the first request).
 
-The suffix proposer asks it where the request's own history has no draft. A draft: the
+The suffix proposer asks it beside the request's own history (whose draft it replaces only where
+it scores over twice as high: suffix.py). A draft: the
 longest suffix of the context (at most max_depth - 1 tokens) that occurs in the datastore,
 then, while the path's probability stays >= min_token_prob, the token that most often follows
 the occurrences still on the path (the newest occurrence breaks ties, as the suffix trie

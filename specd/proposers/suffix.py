@@ -303,6 +303,8 @@ class SuffixProposer:
     def _draft(self, state: _Request, tokens: list[int], k: int) -> list[int]:
         best, own_score, _ = state.index.speculate(k, self.max_spec_factor, self.min_token_prob)
         best_score = OTHER_ANSWERS_DISCOUNT * own_score
+        if best_score >= k:  # no draft of k tokens scores more (each token adds at most 1): not asked
+            return best
         for source in ((self.global_trie,) if self.cached else ()) + ((self.datastore,) if self.datastore else ()):
             draft, score, _ = source.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
             if score > best_score:

@@ -25,9 +25,10 @@ def write_card(out: Path, report: dict) -> None:
         "SuffixDecoding's global tree filled ahead of time). Drafts are verified as any other, so the output "
         "stays exactly the target's; on another target with the same tokenizer it drafts too, less well.",
         "",
-        "`specd up` on the default target drafts from it (the suffix index inside the verifier); elsewhere: "
-        f"`--local-drafter 'suffix:{{\"suffix_decoding_datastore\": \"{out}\"}}'`. A target whose "
-        "vocabulary differs is refused (`vocab_hash`).",
+        "Opt in (not `specd up`'s default: [docs/methods.md](../../docs/methods.md) says why): `specd up "
+        f"--drafter draft_model --local-drafter 'suffix:{{\"suffix_decoding_datastore\": \"{out}\"}}'` "
+        "(the default stack plus the datastore), or the same `--local-drafter` on `specd verifier`. A target "
+        "whose vocabulary differs is refused (`vocab_hash`).",
         "",
         "## Data",
         "",
@@ -43,7 +44,7 @@ def write_card(out: Path, report: dict) -> None:
         "## Held-out replay",
         "",
         "The held-out workloads (training/specd_train/workloads.py; nothing in the data asks them) answered "
-        f"greedily in bfloat16, replayed through the serving suffix proposer as the verifier drives it (k up to "
+        "greedily in bfloat16, replayed through the serving suffix proposer as the verifier drives it (k up to "
         "8, the cache of finished answers off, so no held-out answer drafts another): tokens a step count the "
         "target's own token, so 1.0 is plain decoding; a propose call's mean time, in this process.",
         "",
