@@ -11,8 +11,9 @@ of a sequence counts up to D tokens, so a string's count is its number of occurr
     suffix_decoding_max_cached_requests finished requests, evicted FIFO (0 disables it); a
     request that asked to keep its answer out (cache_output=False) still drafts from it.
     A request's response enters it when the request is released (explicitly or by TTL).
-And, with suffix_decoding_datastore (a directory), a datastore fixed ahead of time (datastore.py:
-for the default target, its own answers to ~10k conversations), read as the global trie is.
+And, with suffix_decoding_datastore (a directory), a datastore fixed ahead of time (datastore.py;
+models/SmolLM2-135M-Instruct-datastore holds the default target's own answers), read as the global
+trie is.
 
 One step, as Arctic's SuffixTree::speculate / _speculate_path:
   for each match length m = 1, 2, ... (m < len(context), context = the last D tokens)
@@ -234,11 +235,11 @@ class _Request:
         self.cache_output = cache_output  # False: its response never enters the global cache
 
 
-# Another answers' draft (the global trie's, the datastore's) replaces the request's own only where it
+# Other answers' draft (the global trie's, the datastore's) replaces the request's own only where it
 # scores more than this many times higher: counts over many answers overstate how likely a
 # continuation is in this one. On held-out greedy answers replayed with the default target's
-# datastore, tokens a step (chat, code edits, summaries): by score alone (Arctic's) 1.72, 3.69,
-# 2.81; own draft always first 1.71, 3.84, 2.87; this rule 1.74, 3.91, 2.90.
+# datastore (its first 41 shards), tokens a step (chat, code edits, summaries): by score alone
+# (Arctic's) 1.72, 3.69, 2.81; own draft always first 1.71, 3.84, 2.87; this rule 1.74, 3.91, 2.90.
 OTHER_ANSWERS_DISCOUNT = 2.0
 
 
