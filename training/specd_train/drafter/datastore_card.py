@@ -20,10 +20,10 @@ def write_card(out: Path, report: dict) -> None:
         f"A datastore for the suffix index (`suffix_decoding_datastore`, specd/proposers/datastore.py): "
         f"{cfg['target']}'s own answers to {cfg['conversations']:,} conversations, {cfg['tokens']:,} tokens, "
         f"stored as uint32 ids end to end (`datastore.npz`, {report['file_bytes'] / 1e6:.1f} MB compressed). "
-        "Where a request's own history has no draft, the index drafts the tokens that most often followed "
-        "the longest suffix of the context in these answers (retrieval drafting, as REST, He et al. 2024; "
+        "The index drafts the tokens that most often followed the longest suffix of the context in these "
+        "answers where that draft scores over twice what the request's own history drafts (retrieval drafting, as REST, He et al. 2024; "
         "SuffixDecoding's global tree filled ahead of time). Drafts are verified as any other, so the output "
-        "stays exactly the target's; on another target with the same tokenizer it drafts too, less well.",
+        "stays exactly the target's; another target with the same tokenizer can draft from it too (not measured how well).",
         "",
         "Opt in (not `specd up`'s default: [docs/methods.md](../../docs/methods.md) says why): `specd up "
         f"--drafter draft_model --local-drafter 'suffix:{{\"suffix_decoding_datastore\": \"{out}\"}}'` "
