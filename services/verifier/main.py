@@ -162,7 +162,7 @@ def run(args) -> int:
 LOCAL_DRAFTER_K = 8
 
 
-def local_drafters(entries: list[tuple[str, dict]], spec, vocab_hash: str = ""):
+def local_drafters(entries: list[tuple[str, dict]], spec, vocab_hash: str | None = None):
     """(method, proposer) of each --local-drafter; a datastore must share the target's vocabulary."""
     from specd.config import SpeculativeConfig
     from specd.proposers.factory import make_proposer
@@ -170,10 +170,7 @@ def local_drafters(entries: list[tuple[str, dict]], spec, vocab_hash: str = ""):
     for method, options in entries:
         k = max(LOCAL_DRAFTER_K, spec.num_speculative_tokens)
         config = SpeculativeConfig.parse({"num_speculative_tokens": k, **options, "method": method})
-        proposer = make_proposer(config, target_vocab_size=None)
-        if getattr(proposer, "datastore", None) is not None:
-            proposer.datastore.check_vocab(vocab_hash)
-        yield method, proposer
+        yield method, make_proposer(config, target_vocab_size=None, target_vocab_hash=vocab_hash)
 
 
 def allowed_addresses(patterns: list[str] | None, startup: list[tuple[str, str, bool]]) -> list[str]:

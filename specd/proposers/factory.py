@@ -10,10 +10,11 @@ from specd.models.gguf_convert import find_gguf
 
 
 def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device: torch.device | str = "cpu",
-                  seed: int | None = None):
+                  seed: int | None = None, target_vocab_hash: str | None = None):
     """target_vocab_size None: no target to check against (the drafter service; the verifier
-    checks vocabularies at registration). seed: of the stream unseeded sampled drafts draw from
-    (None: random)."""
+    checks vocabularies at registration). target_vocab_hash: the target's token table, which a
+    suffix index's datastore must share (None: not checked). seed: of the stream unseeded sampled
+    drafts draw from (None: random)."""
     from specd.proposers.base import PROPOSERS
 
     if spec.method == "combined":
@@ -24,7 +25,7 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
         members = [m if "num_speculative_tokens" in m.model_fields_set
                    else m.model_copy(update={"num_speculative_tokens": spec.num_speculative_tokens})
                    for m in spec.members]
-        return CombinedProposer([make_proposer(m, target_vocab_size, device, seed) for m in members],
+        return CombinedProposer([make_proposer(m, target_vocab_size, device, seed, target_vocab_hash) for m in members],
                                 spec.tree.max_nodes if spec.tree else DEFAULT_TREE_NODES)
     if spec.method == "draft_model":
         from specd.proposers.draft_model import DraftModelProposer
@@ -55,7 +56,10 @@ def make_proposer(spec: SpeculativeConfig, target_vocab_size: int | None, device
     options = {k: v for k, v in spec.model_dump().items() if k.startswith(("prompt_lookup_", "suffix_decoding_"))}
     if spec.tree is not None:  # ngram: earlier matches with different next tokens as branches
         options.update(tree_branches=spec.tree.branching[0], tree_max_nodes=spec.tree.max_nodes)
-    return PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)
+    proposer = PROPOSERS[spec.method](num_speculative_tokens=spec.num_speculative_tokens, **options)
+    if getattr(proposer, "datastore", None) is not None and target_vocab_hash is not None:
+        proposer.datastore.check_vocab(target_vocab_hash)
+    return proposer
 
 
 def in_process_proposer(spec: SpeculativeConfig, engine):
@@ -72,12 +76,12 @@ def in_process_proposer(spec: SpeculativeConfig, engine):
     # (bfloat16 activations), unless draft_dtype names a dtype to dequantize it to.
     if spec.draft_dtype == "auto" and not gguf_drafter:
         spec = spec.model_copy(update={"draft_dtype": str(engine.dtype).removeprefix("torch.")})
-    # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts correlated
-    # with the acceptance uniforms); derived from it, runs stay reproducible.
-    proposer = make_proposer(spec, target_vocab_size=engine.arch.vocab_size, device=engine.device,
-                             seed=draft_seed(engine.config.seed, -1))
-    if getattr(proposer, "datastore", None) is not None:
+    vocab_hash = None  # hashing the token table takes ~0.2 s: only for a datastore to check
+    if any(m.suffix_decoding_datastore for m in [spec, *(spec.members or [])]):
         from specd.models.tokenizer import vocab_hash_of
 
-        proposer.datastore.check_vocab(vocab_hash_of(engine.model_dir))
-    return proposer
+        vocab_hash = vocab_hash_of(engine.model_dir)
+    # Its unseeded stream must not be the sampler's (same seed, same numbers: drafts correlated
+    # with the acceptance uniforms); derived from it, runs stay reproducible.
+    return make_proposer(spec, target_vocab_size=engine.arch.vocab_size, device=engine.device,
+                         seed=draft_seed(engine.config.seed, -1), target_vocab_hash=vocab_hash)

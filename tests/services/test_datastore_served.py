@@ -2,7 +2,8 @@
 suffix:{"suffix_decoding_datastore": DIR}), as `specd up` runs it on the default target: real
 processes on loopback, the official client. A datastore holding the target's answers drafts
 most of them (the same index without it, as a drafter service, far fewer), the
-output is the target's own; a datastore of another vocabulary stops the verifier at start."""
+output is the target's own; a datastore of another vocabulary stops the verifier at start, and
+the offline engine too."""
 from __future__ import annotations
 
 import json
@@ -71,3 +72,11 @@ def test_a_datastore_of_another_vocabulary_stops_the_verifier(launcher, tmp_path
         launcher.start("verifier-other", "verifier", ["--model", TARGET_DIR, "--local-drafter",
                                                       "suffix:" + json.dumps({"suffix_decoding_datastore":
                                                                               str(tmp_path / "other")})])
+
+
+def test_the_offline_engine_refuses_a_datastore_of_another_vocabulary(tmp_path):
+    from specd.llm import LLM
+
+    save(tmp_path / "other", [[1, 2, 3]], {"vocab_hash": "0" * 64})
+    with pytest.raises(ValueError, match="another tokenizer"):
+        LLM(TARGET_DIR, speculative_config={"method": "suffix", "suffix_decoding_datastore": str(tmp_path / "other")})

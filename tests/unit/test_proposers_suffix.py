@@ -232,3 +232,18 @@ def test_a_datastore_drafts_where_the_request_has_nothing(tmp_path):
     assert draft(p, 2, [1, 2, 3]) == []  # nothing matches
     assert draft(p, 3, [60, 61, 62, 7, 60, 61]) == [62, 7]  # its own history first
     assert make(suffix_decoding_max_cached_requests=0).propose([full(4, [1, 2, 60, 61], 8)])[0].token_ids == []
+
+
+def test_a_datastore_of_another_vocabulary_is_refused_alone_or_in_combined(tmp_path):
+    from specd.config import SpeculativeConfig
+    from specd.proposers.datastore import save
+    from specd.proposers.factory import make_proposer
+
+    save(tmp_path / "ds", [[1, 2, 3]], {"vocab_hash": "abc"})
+    suffix = {"method": "suffix", "suffix_decoding_datastore": str(tmp_path / "ds")}
+    for spec in (suffix, {"method": "combined", "members": [{"method": "ngram"}, suffix]}):
+        config = SpeculativeConfig.parse(spec)
+        make_proposer(config, target_vocab_size=None, target_vocab_hash="abc")
+        make_proposer(config, target_vocab_size=None)  # no target to check against: a drafter service
+        with pytest.raises(ValueError, match="another tokenizer"):
+            make_proposer(config, target_vocab_size=None, target_vocab_hash="def")

@@ -75,7 +75,7 @@ def held_out(target: Path, store: Path, args) -> dict:
     """Per workload: tokens a step replaying the target's greedy answers through the suffix proposer
     with and without the datastore (the answer cache off: nothing of one held-out answer drafts
     another), and the mean time of a propose call with it."""
-    import time
+    import torch
 
     from specd.llm import LLM
     from specd.models.chat import chat_prompt_ids
@@ -85,29 +85,35 @@ def held_out(target: Path, store: Path, args) -> dict:
     from specd_train.workloads import WORKLOADS, workload
 
     llm = LLM(str(target), dtype="bfloat16", max_num_seqs=32, max_model_len=2048)
+    # built once (the datastore's order takes seconds); the replay releases every sequence it drafts for
+    proposers = {label: SuffixProposer(K, suffix_decoding_max_cached_requests=0, **options)
+                 for label, options in (("own", {}), ("datastore", {"suffix_decoding_datastore": str(store)}))}
     report = {}
     for name in WORKLOADS:
         prompts = [chat_prompt_ids(llm.tokenizer, m) for m in workload(name, args.eval_prompts)]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-        import torch
-
         seqs = [torch.tensor(p + list(o.token_ids)) for p, o in zip(prompts, outs)]
         row = {"prompts": len(seqs), "answer_tokens": sum(len(o.token_ids) for o in outs)}
-        for label, options in (("own", {}), ("datastore", {"suffix_decoding_datastore": str(store)})):
-            proposer = SuffixProposer(K, suffix_decoding_max_cached_requests=0, **options)
-            calls, spent = 0, 0.0
-            propose = proposer.propose
-
-            def timed(batch, propose=propose):
-                nonlocal calls, spent
-                t = time.perf_counter()
-                out = propose(batch)
-                spent += time.perf_counter() - t
-                calls += 1
-                return out
-
-            proposer.propose = timed
-            row[label] = acceptance(proposer, seqs, [None] * len(seqs), [len(p) for p in prompts], K)
-            row[label]["propose_us"] = round(spent / max(1, calls) * 1e6, 1)
+        for label, proposer in proposers.items():
+            timed = _Timed(proposer)
+            row[label] = acceptance(timed, seqs, [None] * len(seqs), [len(p) for p in prompts], K)
+            row[label]["propose_us"] = round(timed.seconds / max(1, timed.calls) * 1e6, 1)
         report[name] = row
     return report
+
+
+class _Timed:
+    """A proposer whose propose calls are counted and timed (what the replay asks of it)."""
+
+    def __init__(self, proposer):
+        self.proposer, self.calls, self.seconds = proposer, 0, 0.0
+
+    def propose(self, batch):
+        t = time.perf_counter()
+        out = self.proposer.propose(batch)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+    def release(self, seq_ids):
+        self.proposer.release(seq_ids)
