@@ -63,6 +63,13 @@ EXPLORE_SHARE = 0.02
 # Measured on the demo pair, 2-core CPU, batch 32: k = 1 was predicted 5% faster than k = 0
 # and ran 8% slower; at batch 1 the predicted gains are 30-60%, far above this margin.
 SWITCH_MARGIN = 1.10
+# Where every draft of an option was made before the plan (an in-process index's offer), nothing
+# the model leaves out is paid: the drafting is done, no drafter catches up on a history, and the
+# rows are the step's only cost (measured per T). The wide margin there threw away a third of the
+# index's accepted tokens on chat at batch 1 (a 2-core Xeon with AMX: 1999 of 2348 offered tokens
+# verified at 1.02, 1607 at 1.10; 1.34x against 1.28x of plain); the calibration's realized rates
+# still guard the never-slower rule.
+OFFER_SWITCH_MARGIN = 1.02
 DRAFTER_MARGIN = 1.10
 # A plan costs time of its own (asking the index drafters, weighing every k and drafter for every
 # sequence): at batch 32 on a 2-core Xeon, 8% of the engine's step time in a chat run where it
@@ -99,6 +106,7 @@ class SpecController:
         self._accepted = 0  # drafts accepted in this step so far (observe_accept)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
         self._wanted_plain = False  # the last plan wanted plain decoding and ran it (not a probe)
+        self._plain_streak = 0  # plans in a row that wanted plain decoding (one that wanted speculation resets it)
         self._reuse: tuple[int, int] | None = None  # (batch-size bucket, steps left) that reuse a plain plan
         self._planned_seqs = 0  # sequences of the last plan
 
@@ -159,15 +167,16 @@ class SpecController:
             for subset in _subsets(names) if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
+                margin = OFFER_SWITCH_MARGIN if self._all_offered(option[0], seqs) else SWITCH_MARGIN
                 # Calibrated: the time by what cycles of its mode took, the drafts' tokens by what they made.
                 tokens = n + (option[1] - n) * extra if k else option[1]
                 rate = (tokens / option[2] if option[2] > 0 else tokens) * scale[k > 0]
                 if plain is None:
                     plain, plain_rate = option, rate
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
-                if rate > best_rate * (SWITCH_MARGIN if best is None or best[0] == 0 else 1.01):
+                if rate > best_rate * (margin if best is None or best[0] == 0 else 1.01):
                     best, best_rate = (k, option), rate
-                if raw_best is None or raw > raw_best[1] * (SWITCH_MARGIN if raw_best[0] == 0 else 1.01):
+                if raw_best is None or raw > raw_best[1] * (margin if raw_best[0] == 0 else 1.01):
                     raw_best = (k, raw, option)
         wanted = "spec" if best[0] else "plain"
         mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0,
@@ -175,6 +184,8 @@ class SpecController:
         if mode != wanted:  # a probe of the other mode
             best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
         self._wanted_plain = wanted == mode == "plain"
+        if wanted == "spec":
+            self._plain_streak = 0
         choice, expected, self._predicted = best[1]
         self._predicted_accepted = expected - n
         # Requests with their own k are neither plain nor the controller's choice: not timed.
@@ -186,12 +197,24 @@ class SpecController:
             self.step_mode = "explore"
         return choice
 
-    def planned(self, seconds: float, base_tokens: int) -> None:
+    def _all_offered(self, choice: list[tuple[int, str | None]], seqs: list) -> bool:
+        """Whether every sequence that drafts in this choice takes a draft offered before the plan."""
+        return all(name in self.offered.get(sid, {}) for (k, name), (sid, _, _) in zip(choice, seqs) if k > 0)
+
+    def planned(self, seconds: float, base_tokens: int, nothing_offered: bool = False) -> None:
         """The plan just made took `seconds` (with the index drafters' offers): where it wanted plain
-        decoding, the next steps reuse it (reuse_plain) for as long as keeps planning at PLAN_SHARE."""
+        decoding, the next steps reuse it (reuse_plain) for as long as keeps planning at PLAN_SHARE.
+        Not where it was plain only because the indexes asked offered nothing (nothing_offered), and
+        only after plans in a row that wanted plain (1, 3, 7, .. steps after the 2nd, 3rd, 4th, ..):
+        an index's match follows the text, so the step after a priced-out or missing offer may well
+        hold one that pays (on chat at batch 1, a 2-core Xeon, reusing single plain plans skipped the
+        offers of 80-380 of ~1000 steps); where plain is what every plan wants (a CPU at batch 32),
+        the reuse reaches its full length within a few plans."""
         self._reuse = None
-        if self._wanted_plain and self.step_mode == "plain":
-            steps = int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9))
+        if self._wanted_plain and self.step_mode == "plain" and not nothing_offered:
+            self._plain_streak += 1
+            steps = min(int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9)),
+                        2 ** min(self._plain_streak - 1, 8) - 1)
             if steps > 0:
                 self._reuse = (RealizedCalibration.bucket(self._planned_seqs), min(steps, MAX_REUSE))
 

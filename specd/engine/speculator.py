@@ -50,6 +50,7 @@ class Speculator:
         self._inline_sent: dict[tuple[str | None, int], int] = {}
         self._steps_unasked: dict[str | None, int] = {}  # steps since each inline drafter was last asked
         self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
+        self.offered_nothing = False  # the last step asked an inline drafter and got no draft from any
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -87,7 +88,7 @@ class Speculator:
         offers = self._offers(decoding, caps, pinned, names, base_tokens)
         plan = self.controller.plan(seqs, base_tokens, names, pinned,
                                     {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()})
-        self.controller.planned(time.perf_counter() - t0, base_tokens)
+        self.controller.planned(time.perf_counter() - t0, base_tokens, nothing_offered=self.offered_nothing)
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
@@ -156,6 +157,7 @@ class Speculator:
         request named it or set its own k are asked; the others read as offering nothing."""
         out: dict[int, dict[str | None, list[int]]] = {}
         t0 = time.perf_counter()
+        num_asked = num_drafted = 0
         kinds = {e.seq.params.temperature > 0 for e in decoding}
         for name, proposer in self.inline.items():
             if name not in names:
@@ -191,6 +193,9 @@ class Speculator:
                     continue
                 drafts, _, _ = self._validated(replace(p, q_ids=None, q_probs=None), asked[p.seq_id])
                 out.setdefault(p.seq_id, {})[name] = drafts
+                num_drafted += bool(drafts)
+            num_asked += len(asked)
+        self.offered_nothing = num_asked > 0 and num_drafted == 0
         self.offer_seconds = time.perf_counter() - t0
         return out
 

@@ -91,7 +91,7 @@ def test_the_index_is_not_asked_where_none_of_its_drafts_could_pay(model_dirs, g
 
     proposer.propose, controller.offers_may_pay = propose, offers_may_pay
     # Every step plans (no reuse of a plain plan, which asks no index at all: tests/unit/test_plan_reuse.py).
-    controller.planned = lambda seconds, base_tokens: None
+    controller.planned = lambda seconds, base_tokens, **_: None
     own_k = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=3)
     outs = llm.generate(prompts, [GREEDY, own_k])
     assert [o.token_ids for o in outs] == plain

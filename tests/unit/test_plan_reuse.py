@@ -1,5 +1,6 @@
 """The speculation controller's own cost: a plan that wants plain decoding is reused by the steps
-after it, for as long as keeps planning at PLAN_SHARE of the verify time."""
+after it, for as long as keeps planning at PLAN_SHARE of the verify time, once plans in a row have
+wanted it (1, 3, 7, .. steps), and never where the indexes asked offered nothing."""
 from __future__ import annotations
 
 import random
@@ -10,12 +11,46 @@ from specd.engine.spec_controller import MAX_REUSE, PLAN_SHARE, SpecController
 from specd.engine.spec_costs import RealizedCalibration
 
 
-def _plain_planned(plan_s: float, n: int = 32) -> SpecController:
+def _plain_planned(plan_s: float, n: int = 32, streak: int = 6) -> SpecController:
+    """A controller whose last `streak` plans wanted plain decoding (the reuse between them drained)."""
     c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.6)
     seqs = [(i, 4, None) for i in range(n)]
-    assert [k for k, _ in c.plan(seqs, n)] == [0] * n
-    c.planned(plan_s, n)
+    for i in range(streak):
+        if i:
+            while c.reuse_plain(seqs, n) is not None:
+                pass
+        assert [k for k, _ in c.plan(seqs, n)] == [0] * n
+        c.planned(plan_s, n)
     return c
+
+
+def _reused(c: SpecController, n: int = 32) -> int:
+    seqs = [(i, 4, None) for i in range(n)]
+    return sum(1 for _ in iter(lambda: c.reuse_plain(seqs, n), None))
+
+
+def test_reuse_grows_with_plans_in_a_row_that_want_plain():
+    # A dear plan (1 s: the share alone would allow MAX_REUSE): 0, 1, 3, 7, 15 steps after the 1st..5th.
+    assert [_reused(_plain_planned(1.0, streak=s)) for s in range(1, 7)] == [0, 1, 3, 7, 15, MAX_REUSE]
+
+
+def test_a_plan_that_wants_speculation_ends_the_streak():
+    c = _plain_planned(1.0, streak=5)
+    c.plan([(0, 4, None)], 1, offered={0: {None: 4}})  # one sequence, a long offer: it speculates
+    assert c._plain_streak == 0
+
+
+def test_no_reuse_where_the_indexes_asked_offered_nothing():
+    c = _plain_planned(1.0, streak=5)
+    seqs = [(i, 4, None) for i in range(32)]
+    while c.reuse_plain(seqs, 32) is not None:
+        pass
+    assert [k for k, _ in c.plan(seqs, 32)] == [0] * 32
+    c.planned(1.0, 32, nothing_offered=True)
+    assert _reused(c) == 0
+    c.plan(seqs, 32)
+    c.planned(1.0, 32)  # and the streak went on where it was
+    assert _reused(c) == MAX_REUSE
 
 
 def test_a_dear_plain_plan_is_reused_until_planning_costs_its_share():
