@@ -79,6 +79,10 @@ class Proposal:
     # A verifier's pool: the history went to the drafter, which takes it in the background (it is
     # catching up on a new sequence's history); no drafts this step, and no resync either.
     deferred: bool = False
+    # An in-process index with several sources (the suffix index: "own" history, the answer "cache",
+    # a "datastore"): which one drafted. The controller keeps their acceptance apart; never sent
+    # over the wire.
+    source: str = ""
     # Asked for with ProposeRequest.alternatives (chains only), never sent over the wire:
     draft_probs: list[float] | None = None  # the drafter's probability of each draft
     alternatives: list[list[tuple[int, float]]] | None = None  # per draft: next-best (token, prob)

@@ -35,6 +35,7 @@ class Drafts:
     parents: list[int] | None = None
     cached: bool = False  # pipelined drafting: drafted ahead (a draft-cache hit)
     offered: int = 0  # drafted before the plan (an in-process index): the length offered, before the cut at k
+    source: str = ""  # and which of the index's sources drafted it (Proposal.source)
 
 
 @dataclass

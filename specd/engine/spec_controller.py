@@ -98,6 +98,7 @@ class SpecController:
         self.explore_seq: int | None = None  # the sequence that explores while it runs
         self.pinned: dict[int, str] = {}  # this step's sequences whose request named its drafter
         self.offered: dict[int, dict[str | None, int]] = {}  # this step's drafts made before the plan: lengths
+        self.offer_sources: dict[int, dict[str | None, str]] = {}  # and which source of the index made each
         self.calibration = RealizedCalibration()
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
@@ -127,7 +128,8 @@ class SpecController:
     def plan(self, seqs: list[tuple[int, int, int | None]], base_tokens: int,
              drafters: list[str | None] | None = None,
              pinned: dict[int, str] | None = None,
-             offered: dict[int, dict[str | None, int]] | None = None) -> list[tuple[int, str | None]]:
+             offered: dict[int, dict[str | None, int]] | None = None,
+             offer_sources: dict[int, dict[str | None, str]] | None = None) -> list[tuple[int, str | None]]:
         """seqs: (seq_id, cap, override) per decoding sequence → (k, drafter) per sequence.
 
         cap bounds k by max_tokens / max_model_len / KV room; override is the request's
@@ -136,14 +138,15 @@ class SpecController:
         pinned: sequences whose request named its drafter; offered: drafts already made before the
         plan, by sequence, the length each in-process index drafter offered (0: none). Such a
         drafter's draft costs nothing more, its rows are known, and its acceptance is read by the
-        length offered (a k below it verifies the draft's first k tokens).
+        length offered (a k below it verifies the draft's first k tokens) and, where the index names
+        them, the source that drafted it (offer_sources).
         """
         names = list(drafters) if drafters else [None]
         self._explore_names = names
         self._wanted_plain, self._planned_seqs = False, len(seqs)
         self._predicted_accepted, self._accepted = 0.0, 0
         self.pinned = pinned or {}
-        self.offered = offered or {}
+        self.offered, self.offer_sources = offered or {}, offer_sources or {}
         self._ranked_by, self._curves = {}, {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
@@ -232,7 +235,7 @@ class SpecController:
             return None
         self._reuse = (bucket, left - 1)
         self.calibration.skipped(n)
-        self.pinned, self.offered, self._explored = {}, {}, None
+        self.pinned, self.offered, self.offer_sources, self._explored = {}, {}, {}, None
         self._predicted_accepted, self._accepted = 0.0, 0
         self._predicted = self.verify_cost(base_tokens)
         self.step_mode = "plain"
@@ -250,12 +253,13 @@ class SpecController:
         d, plain_s = self.drafter(name), self.verify_cost(base_tokens)
         for sampled in kinds:
             prior = self._alpha_prior_of(d, sampled)
-            for length in range(1, cap + 1):
-                positions = d.by_length[sampled].get(length) or Positions()
-                accepted = positions.chain(length, prior, d.positions[sampled])[length]
-                step_s = self.verify_cost(base_tokens + length)
-                if accepted * step_s >= num_seqs * (step_s - plain_s):
-                    return True
+            for source in {s for s, _ in d.by_length[sampled]} | {""}:
+                for length in range(1, cap + 1):
+                    positions = d.by_length[sampled].get((source, length)) or Positions()
+                    accepted = positions.chain(length, prior, d.positions[sampled])[length]
+                    step_s = self.verify_cost(base_tokens + length)
+                    if accepted * step_s >= num_seqs * (step_s - plain_s):
+                        return True
         return False
 
     @staticmethod
@@ -405,12 +409,13 @@ class SpecController:
         if cut <= 0:
             return 0.0, 0.0
         sampled = self.sampled.get(sid, False)
-        chain = self._curves.get((name, sampled, length))
+        source = self.offer_sources.get(sid, {}).get(name, "")
+        chain = self._curves.get((name, sampled, source, length))
         if chain is None:
             d = self.drafter(name)
             prior = self._alpha_prior(sid, d)
-            positions = d.by_length[sampled].get(length) or Positions()
-            chain = self._curves[name, sampled, length] = [
+            positions = d.by_length[sampled].get((source, length)) or Positions()
+            chain = self._curves[name, sampled, source, length] = [
                 (accepted / geometric if (geometric := expected_tokens(prior, j) - 1.0) > 1e-9 else None)
                 for j, accepted in enumerate(positions.chain(length, prior, d.positions[sampled]))]
         per_geometric = chain[cut]
@@ -522,9 +527,9 @@ class SpecController:
             acc.observe(float(made), 1.0)
 
     def observe_accept(self, seq_id: int, num_draft: int, num_accepted: int, name: str | None = None,
-                       offered: int = 0) -> None:
+                       offered: int = 0, source: str = "") -> None:
         """num_draft tokens verified, num_accepted of them accepted; offered: the length of the
-        draft they were cut from, where it was offered before the plan."""
+        draft they were cut from, where it was offered before the plan, by the index's `source`."""
         if num_draft == 0:
             return
         self._accepted += num_accepted
@@ -535,7 +540,8 @@ class SpecController:
             acc.observe(num_accepted, trials)
         self.drafter(name).positions[sampled].observe_accept(num_draft, num_accepted)
         if offered:
-            self.drafter(name).by_length[sampled].setdefault(offered, Positions()).observe_accept(num_draft, num_accepted)
+            by_length = self.drafter(name).by_length[sampled]
+            by_length.setdefault((source, offered), Positions()).observe_accept(num_draft, num_accepted)
 
     def note_sampling(self, seq_id: int, sampled: bool) -> None:
         """Whether this sequence samples (its acceptance counts towards the drafter's sampled prior)."""

@@ -51,6 +51,7 @@ class Speculator:
         self._steps_unasked: dict[str | None, int] = {}  # steps since each inline drafter was last asked
         self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
         self.offered_nothing = False  # the last step asked an inline drafter and got no draft from any
+        self._offer_sources: dict[int, dict[str | None, str]] = {}  # the last offers' sources (Proposal.source)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -87,7 +88,8 @@ class Speculator:
         names = self._drafter_names()
         offers = self._offers(decoding, caps, pinned, names, base_tokens)
         plan = self.controller.plan(seqs, base_tokens, names, pinned,
-                                    {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()})
+                                    {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()},
+                                    self._offer_sources)
         self.controller.planned(time.perf_counter() - t0, base_tokens, nothing_offered=self.offered_nothing)
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
@@ -108,7 +110,8 @@ class Speculator:
                 drafts = offers.get(seq.seq_id, {}).get(drafter, [])
                 self.controller.observe_proposal(seq.seq_id, drafter, bool(drafts))
                 if drafts:
-                    out[seq.seq_id] = Drafts(drafts[:k], None, drafter, offered=len(drafts))
+                    source = self._offer_sources.get(seq.seq_id, {}).get(drafter, "")
+                    out[seq.seq_id] = Drafts(drafts[:k], None, drafter, offered=len(drafts), source=source)
                 continue
             # A drafter new to this sequence reads its whole history first.
             full = seq.spec_sent == 0 or drafter != self.controller.current.get(seq.seq_id, drafter)
@@ -156,6 +159,7 @@ class Speculator:
         drafter could pay at this batch size (controller.offers_may_pay), only the sequences whose
         request named it or set its own k are asked; the others read as offering nothing."""
         out: dict[int, dict[str | None, list[int]]] = {}
+        self._offer_sources = {}
         t0 = time.perf_counter()
         num_asked = num_drafted = 0
         kinds = {e.seq.params.temperature > 0 for e in decoding}
@@ -193,6 +197,8 @@ class Speculator:
                     continue
                 drafts, _, _ = self._validated(replace(p, q_ids=None, q_probs=None), asked[p.seq_id])
                 out.setdefault(p.seq_id, {})[name] = drafts
+                if drafts and p.source:
+                    self._offer_sources.setdefault(p.seq_id, {})[name] = p.source
                 num_drafted += bool(drafts)
             num_asked += len(asked)
         self.offered_nothing = num_asked > 0 and num_drafted == 0
@@ -316,7 +322,8 @@ class Speculator:
             n = len(e.draft_token_ids)
             # The controller models a chain of k: a tree counts as a chain of its depth.
             self.controller.observe_accept(e.seq.seq_id, _depth(e.drafts.parents) if n and e.drafts.parents else n,
-                                           n_acc, e.drafts.drafter if n else None, e.drafts.offered if n else 0)
+                                           n_acc, e.drafts.drafter if n else None, e.drafts.offered if n else 0,
+                                           e.drafts.source if n else "")
             cached = bool(n and e.drafts.cached)
             drafter = (e.drafts.drafter or self.config.method or "unknown") if n else None
             e.seq.spec_stats.observe_draft(n, n_acc, cached, drafter)

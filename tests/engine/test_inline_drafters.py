@@ -27,9 +27,9 @@ def test_an_index_drafter_is_asked_before_each_plan(model_dirs, get_llm, make_pr
             known[r.seq_id] = r.num_tokens
         return _propose(requests)
 
-    def plan(seqs, base_tokens, drafters=None, pinned=None, offered=None, _plan=controller.plan):
+    def plan(seqs, base_tokens, drafters=None, pinned=None, offered=None, sources=None, _plan=controller.plan):
         events.append(("plan", seqs, offered))
-        return _plan(seqs, base_tokens, drafters, pinned, offered)
+        return _plan(seqs, base_tokens, drafters, pinned, offered, sources)
 
     proposer.propose, controller.plan = propose, plan
     outs = llm.generate(prompts, GREEDY)

@@ -200,22 +200,23 @@ def test_bad_options():
     make(prompt_lookup_min=2)  # another method's key: accepted, unused
 
 
-def test_the_requests_own_draft_stands_unless_a_cached_one_scores_over_twice_as_high():
+def test_the_requests_own_draft_stands_wherever_it_has_one():
     p = make()
     for sid in range(1, 6):  # five cached answers agree on 19 20 21 -> 30 31 32 33
         finish(p, sid, prompt=[sid], response=[19, 20, 21, 30, 31, 32, 33])
     # the request's own history has 20 21 -> 40 41 (score 0.5 + 0.5); the cache's 20 21 -> 30 31
-    # scores 2: higher, not over twice as high
+    # scores 2, and after 19 20 21 3: the own draft stands either way
     own_history = [9, 20, 21, 40, 41, 42, 8, 20, 21]
     index = SequenceIndex(24)
     index.extend(own_history)
     own_score = index.speculate(8, 1.0, 0.1)[1]
-    assert own_score < p.global_trie.speculate(own_history, 8, 1.0, 0.1)[1] <= 2 * own_score
+    assert 2 * own_score < p.global_trie.speculate(own_history[:-2] + [19, 20, 21], 8, 1.0, 0.1)[1]
+    assert p.propose([full(99, own_history, 8)])[0].source == "own"
     assert draft(p, 99, own_history) == [40, 41]
-    # after 19 20 21 the cache matches 3 tokens and drafts 3 (score 3): over twice as high
-    assert draft(p, 100, own_history[:-2] + [19, 20, 21]) == [30, 31, 32]
-    # with no draft of its own (the context never recurs in it), the cache's
+    assert draft(p, 100, own_history[:-2] + [19, 20, 21]) == [40, 41]
+    # with no draft of its own (the context never recurs in it), the cache's, and it says so
     assert draft(p, 101, [9, 8, 20, 21]) == [30, 31]
+    assert p.propose([full(102, [9, 8, 20, 21], 8)])[0].source == "cache"
 
 
 def test_a_datastore_drafts_where_the_request_has_nothing(tmp_path):

@@ -644,3 +644,26 @@ def test_an_offered_draft_needs_only_a_small_margin_a_drafter_to_be_asked_the_wi
     accepted, _ = m._curve(1, "model", m.estimates(1, "model")[0], 1)
     assert OFFER_SWITCH_MARGIN < (1 + accepted) / 1.1 < SWITCH_MARGIN
     assert m.plan([(1, 8, None)], 1, ["model"])[0][0] == 0
+
+
+def test_an_index_keeps_each_sources_acceptance_apart():
+    """A suffix index drafts 8 tokens from the request's own history (mostly right) or from a
+    datastore (mostly wrong): kept apart by source, the own draft is verified and the datastore's
+    of the same length is not; one table for both would price them alike."""
+    verify = lambda t: 0.010 + 0.004 * (t - 1)  # noqa: E731 — rows dear enough that a bad draft does not pay
+    c = SpecController(8)
+    for t in range(1, 30):
+        for _ in range(3):
+            c.observe_verify(t, verify(t))
+    rng = random.Random(5)
+    for _ in range(300):
+        for source, p in (("own", 0.9), ("datastore", 0.05)):
+            c.observe_proposal(9, "suffix", True)
+            c.observe_accept(9, 8, 8 if rng.random() < p else 0, "suffix", offered=8, source=source)
+    c.grant_exploration(0.0)
+    seqs = [(1, 8, None), (2, 8, None)]
+    offered = {1: {"suffix": 8}, 2: {"suffix": 8}}
+    plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "own"}, 2: {"suffix": "datastore"}})
+    assert plan[0] == (8, "suffix") and plan[1][0] == 0
+    plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "datastore"}, 2: {"suffix": "own"}})
+    assert plan[0][0] == 0 and plan[1] == (8, "suffix")
