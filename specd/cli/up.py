@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
                         "(OPTIONS: the drafter's --options JSON) as a drafter service "
                         "(default, with neither this nor --local-drafter: draft_model on the default target's "
-                        "trained drafter, and suffix inside the verifier)")
+                        "trained drafter, and suffix inside the verifier, drafting from the default target's datastore "
+                        "of its own answers too)")
     p.add_argument("--local-drafter", action="append", default=None, metavar="METHOD[:OPTIONS]",
                    help="an index drafter (suffix or ngram) inside each verifier process instead of a service: "
                         "asked every step for tens of microseconds (repeatable)")
@@ -117,6 +118,15 @@ def parse_drafter(value: str) -> tuple[str, str | None]:
 def local_label(method: str, options: str | None) -> str:
     store = json.loads(options).get("suffix_decoding_datastore") if options else None
     return f"{method} (in the verifier" + (f", with the datastore {store})" if store else ")")
+
+
+def default_suffix(target: str | None) -> str:
+    """The suffix index inside the verifier; on the default target it also drafts from the
+    target's own answers committed beside its drafter (models/SmolLM2-135M-Instruct-datastore)."""
+    from specd.models import model_store
+
+    store = None if target else model_store.committed_datastore_dir()
+    return f"suffix:{json.dumps({'suffix_decoding_datastore': str(store)})}" if store else "suffix"
 
 
 class Stack:
@@ -226,7 +236,8 @@ def run(args) -> int:
 
     defaults = args.drafter is None and args.local_drafter is None
     drafters = [] if args.no_speculation else [parse_drafter(d) for d in (["draft_model"] if defaults else args.drafter or [])]
-    local = [] if args.no_speculation else [parse_drafter(d) for d in (["suffix"] if defaults else args.local_drafter or [])]
+    local = [] if args.no_speculation else [parse_drafter(d) for d in ([default_suffix(args.target)] if defaults
+                                                                       else args.local_drafter or [])]
     if {m for m, _ in local} & {m for m, _ in drafters}:
         raise ValueError("a method runs either as a service (--drafter) or inside the verifier (--local-drafter), "
                          "not both: they would share a name")

@@ -78,6 +78,12 @@ def test_compose_file_shape():
     assert verifier[verifier.index("--model") + 1] == "${SPECD_TARGET_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct}"
     assert dm[dm.index("--model") + 1] == \
         "${SPECD_DRAFTER_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct-drafter}"
+    # The suffix index inside the verifier drafts from the default target's datastore, which the
+    # verifier image carries with the committed models/ (at /opt/specd/models).
+    local = json.loads(verifier[verifier.index("--local-drafter") + 1].removeprefix("suffix:"))
+    store = "${SPECD_DATASTORE-/opt/specd/models/SmolLM2-135M-Instruct-datastore}"
+    assert local == {"suffix_decoding_datastore": store}
+    assert (ROOT / "models" / store.rpartition("/")[2].rstrip("}") / "datastore.npz").is_file()
     for name in ("verifier", "drafter-dm", "drafter-ngram"):
         cmd = services[name]["command"]
         threads = "${SPECD_VERIFIER_THREADS:-auto}" if name == "verifier" else "${SPECD_THREADS:-1}"

@@ -122,6 +122,7 @@ def test_up_default_pair_answers_through_openai(pair):
     try:
         line = proc.stdout.readline()
         assert "specd is up" in line and "SmolLM2-135M-Instruct" in line, proc.stderr.read()[-3000:]
+        assert f"with the datastore {model_store.committed_datastore_dir()}" in line, line
         assert "curl" in "".join(proc.stdout.readline() for _ in range(4))
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=32, temperature=0,
