@@ -63,12 +63,13 @@ EXPLORE_SHARE = 0.02
 # Measured on the demo pair, 2-core CPU, batch 32: k = 1 was predicted 5% faster than k = 0
 # and ran 8% slower; at batch 1 the predicted gains are 30-60%, far above this margin.
 SWITCH_MARGIN = 1.10
-# Where every draft of an option was made before the plan (an in-process index's offer), nothing
-# the model leaves out is paid: the drafting is done, no drafter catches up on a history, and the
-# rows are the step's only cost (measured per T). The wide margin there threw away a third of the
-# index's accepted tokens on chat at batch 1 (a 2-core Xeon with AMX: 1999 of 2348 offered tokens
-# verified at 1.02, 1607 at 1.10; 1.34x against 1.28x of plain); the calibration's realized rates
-# still guard the never-slower rule.
+# Where one sequence decodes and its draft was made before the plan (an in-process index's offer),
+# nothing the model leaves out is paid: the drafting is done, no drafter catches up on a history,
+# and the rows are the step's only cost, measured per T (VerifyCost's table), the draft's acceptance
+# per source and length. The wide margin there threw away a third of the index's accepted tokens on
+# chat at batch 1 (a 2-core Xeon with AMX: 1999 of 2348 offered tokens verified at 1.02, 1607 at
+# 1.10; 1.34x against 1.28x of plain). In batches the wide one stays: many sequences' rows are
+# priced by a line past the table, and at 1.02 chat lost 3-6% at batch 8 and 32 (0.96x, 0.94x).
 OFFER_SWITCH_MARGIN = 1.02
 DRAFTER_MARGIN = 1.10
 # A plan costs time of its own (asking the index drafters, weighing every k and drafter for every
@@ -170,7 +171,7 @@ class SpecController:
             for subset in _subsets(names) if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
-                margin = OFFER_SWITCH_MARGIN if self._all_offered(option[0], seqs) else SWITCH_MARGIN
+                margin = OFFER_SWITCH_MARGIN if n == 1 and self._all_offered(option[0], seqs) else SWITCH_MARGIN
                 # Calibrated: the time by what cycles of its mode took, the drafts' tokens by what they made.
                 tokens = n + (option[1] - n) * extra if k else option[1]
                 rate = (tokens / option[2] if option[2] > 0 else tokens) * scale[k > 0]
@@ -208,16 +209,17 @@ class SpecController:
         """The plan just made took `seconds` (with the index drafters' offers): where it wanted plain
         decoding, the next steps reuse it (reuse_plain) for as long as keeps planning at PLAN_SHARE.
         Not where it was plain only because the indexes asked offered nothing (nothing_offered), and
-        only after plans in a row that wanted plain (1, 3, 7, .. steps after the 2nd, 3rd, 4th, ..):
-        an index's match follows the text, so the step after a priced-out or missing offer may well
-        hold one that pays (on chat at batch 1, a 2-core Xeon, reusing single plain plans skipped the
-        offers of 80-380 of ~1000 steps); where plain is what every plan wants (a CPU at batch 32),
-        the reuse reaches its full length within a few plans."""
+        for one sequence only after plans in a row that wanted plain (1, 3, 7, .. steps after the
+        2nd, 3rd, 4th, ..): an index's match follows the text, so the step after a priced-out or
+        missing offer may well hold one that pays (on chat at batch 1, a 2-core Xeon, reusing single
+        plain plans skipped the offers of 80-380 of ~1000 steps). In batches a plan and its offers
+        cost many times more (at batch 32, 8% of a step before reuse), and the reuse starts at once."""
         self._reuse = None
         if self._wanted_plain and self.step_mode == "plain" and not nothing_offered:
             self._plain_streak += 1
-            steps = min(int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9)),
-                        2 ** min(self._plain_streak - 1, 8) - 1)
+            steps = int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9))
+            if self._planned_seqs == 1:  # in batches a plan and its offers cost more: reuse at once
+                steps = min(steps, 2 ** min(self._plain_streak - 1, 8) - 1)
             if steps > 0:
                 self._reuse = (RealizedCalibration.bucket(self._planned_seqs), min(steps, MAX_REUSE))
 
@@ -242,25 +244,27 @@ class SpecController:
         return [(0, self.current.get(sid)) for sid, _, _ in seqs]
 
     def offers_may_pay(self, name: str | None, num_seqs: int, base_tokens: int, cap: int,
-                       kinds: set[bool]) -> bool:
+                       kinds: set[bool]) -> tuple[bool, frozenset[str]]:
         """Whether a draft of some length up to cap that this in-process drafter offers could pay for
         its rows in a step of num_seqs sequences: its accepted tokens (the drafter's positions for
         that length) at the step's rate against the rows' cost, as plan() drops an offer. Where no
         length can, asking the index for every sequence is time lost (at batch 32 on a 2-core EPYC,
-        asking and building each sequence's trie on first contact took 5.4% of the steps)."""
+        asking and building each sequence's trie on first contact took 5.4% of the steps). -> (that,
+        the sources of the index measured so far none of whose drafts could: not worth asking)."""
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
-            return True
+            return True, frozenset()
         d, plain_s = self.drafter(name), self.verify_cost(base_tokens)
-        for sampled in kinds:
-            prior = self._alpha_prior_of(d, sampled)
-            for source in {s for s, _ in d.by_length[sampled]} | {""}:
-                for length in range(1, cap + 1):
-                    positions = d.by_length[sampled].get((source, length)) or Positions()
-                    accepted = positions.chain(length, prior, d.positions[sampled])[length]
-                    step_s = self.verify_cost(base_tokens + length)
-                    if accepted * step_s >= num_seqs * (step_s - plain_s):
-                        return True
-        return False
+        sources = {s for kind in kinds for s, _ in d.by_length[kind]} | {""}
+        paying = {s for s in sources if any(self._source_may_pay(d, s, sampled, length, num_seqs, base_tokens, plain_s)
+                                            for sampled in kinds for length in range(1, cap + 1))}
+        return bool(paying), frozenset(s for s in sources - paying if s)
+
+    def _source_may_pay(self, d: DrafterStats, source: str, sampled: bool, length: int, num_seqs: int,
+                        base_tokens: int, plain_s: float) -> bool:
+        positions = d.by_length[sampled].get((source, length)) or Positions()
+        accepted = positions.chain(length, self._alpha_prior_of(d, sampled), d.positions[sampled])[length]
+        step_s = self.verify_cost(base_tokens + length)
+        return accepted * step_s >= num_seqs * (step_s - plain_s)
 
     @staticmethod
     def _probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale) -> float:

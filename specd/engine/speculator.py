@@ -169,9 +169,10 @@ class Speculator:
             # Now and then asked anyway: what it offers, and how much of that is accepted, stays measured
             # (a workload that starts repeating its prompt would otherwise never reopen it).
             unasked = self._steps_unasked.get(name, 0) + 1
-            may_pay = (self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
-                       or unasked >= ASK_ANYWAY_EVERY)
-            self._steps_unasked[name] = 0 if may_pay else unasked
+            may_pay, priced_out = self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
+            if unasked >= ASK_ANYWAY_EVERY:  # every source, now and then
+                may_pay, priced_out = True, frozenset()
+            self._steps_unasked[name] = 0 if may_pay and not priced_out else unasked
             requests, asked = [], {}
             for e, cap in zip(decoding, caps):
                 seq, sid = e.seq, e.seq.seq_id
@@ -186,7 +187,7 @@ class Speculator:
                     seq_id=sid, new_tokens=seq.token_slice(sent, length), num_tokens=length, k=cap,
                     full_history=sent == 0, num_prompt_tokens=len(seq.prompt_token_ids),
                     temperature=seq.params.temperature, seed=seq.params.seed, drafter=name,
-                    cache_output=seq.params.cache_output))
+                    cache_output=seq.params.cache_output, skip_sources=priced_out))
                 self._inline_sent[name, sid] = length
                 asked[sid] = cap
             for p in proposer.propose(requests) if requests else []:

@@ -277,7 +277,7 @@ class SuffixProposer:
                 continue
             state = self._sync_trie(req, tokens, held)
             k = min(req.k, self.k)
-            draft, source = self._draft(state, tokens, k) if k > 0 else ([], "")
+            draft, source = self._draft(state, tokens, k, req.skip_sources) if k > 0 else ([], "")
             out.append(Proposal(req.seq_id, draft, source=source))
         return out
 
@@ -296,8 +296,9 @@ class SuffixProposer:
         state.index.extend(tokens[len(state.index.tokens):])
         return state
 
-    def _draft(self, state: _Request, tokens: list[int], k: int) -> tuple[list[int], str]:
-        """-> (draft, the source that drafted it: "own", "cache" or "datastore"). The request's own
+    def _draft(self, state: _Request, tokens: list[int], k: int, skip: frozenset[str] = frozenset()) -> tuple[list[int], str]:
+        """-> (draft, the source that drafted it: "own", "cache" or "datastore"; the others, unless
+        in skip: ProposeRequest.skip_sources). The request's own
         draft first: other answers' counts overstate how likely a continuation is in this one. Served
         in one process (bench/suffix_datastore.py, 2-core Xeon with AMX, the datastore's sources kept
         apart by the controller), server's choice / plain, chat batch 1, summaries batch 1, code edits
@@ -309,7 +310,7 @@ class SuffixProposer:
             return best, "own"
         best_source, best_score = "own", 0.0
         for name, source in (("cache", self.global_trie if self.cached else None), ("datastore", self.datastore)):
-            if source is None:
+            if source is None or name in skip:
                 continue
             draft, score, _ = source.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
             if score > best_score:

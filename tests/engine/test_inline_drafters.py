@@ -87,7 +87,7 @@ def test_the_index_is_not_asked_where_none_of_its_drafts_could_pay(model_dirs, g
 
     def offers_may_pay(*args):
         gate.append(args[1:3])  # (sequences, base tokens) of the step
-        return False
+        return False, frozenset()
 
     proposer.propose, controller.offers_may_pay = propose, offers_may_pay
     # Every step plans (no reuse of a plain plan, which asks no index at all: tests/unit/test_plan_reuse.py).

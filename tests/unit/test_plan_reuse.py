@@ -11,9 +11,9 @@ from specd.engine.spec_controller import MAX_REUSE, PLAN_SHARE, SpecController
 from specd.engine.spec_costs import RealizedCalibration
 
 
-def _plain_planned(plan_s: float, n: int = 32, streak: int = 6) -> SpecController:
+def _plain_planned(plan_s: float, n: int = 32, streak: int = 1) -> SpecController:
     """A controller whose last `streak` plans wanted plain decoding (the reuse between them drained)."""
-    c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.6)
+    c = _trained(lambda t: 0.0005 + 0.001 * t, alpha=0.6 if n > 1 else 0.01, seqs=range(n))
     seqs = [(i, 4, None) for i in range(n)]
     for i in range(streak):
         if i:
@@ -29,9 +29,11 @@ def _reused(c: SpecController, n: int = 32) -> int:
     return sum(1 for _ in iter(lambda: c.reuse_plain(seqs, n), None))
 
 
-def test_reuse_grows_with_plans_in_a_row_that_want_plain():
+def test_at_batch_1_reuse_grows_with_plans_in_a_row_that_want_plain():
     # A dear plan (1 s: the share alone would allow MAX_REUSE): 0, 1, 3, 7, 15 steps after the 1st..5th.
-    assert [_reused(_plain_planned(1.0, streak=s)) for s in range(1, 7)] == [0, 1, 3, 7, 15, MAX_REUSE]
+    assert [_reused(_plain_planned(1.0, n=1, streak=s), n=1) for s in range(1, 7)] == [0, 1, 3, 7, 15, MAX_REUSE]
+    # in a batch, at once
+    assert _reused(_plain_planned(1.0, n=32, streak=1)) == MAX_REUSE
 
 
 def test_a_plan_that_wants_speculation_ends_the_streak():
@@ -41,16 +43,22 @@ def test_a_plan_that_wants_speculation_ends_the_streak():
 
 
 def test_no_reuse_where_the_indexes_asked_offered_nothing():
-    c = _plain_planned(1.0, streak=5)
+    c = _plain_planned(1.0)
     seqs = [(i, 4, None) for i in range(32)]
     while c.reuse_plain(seqs, 32) is not None:
         pass
     assert [k for k, _ in c.plan(seqs, 32)] == [0] * 32
     c.planned(1.0, 32, nothing_offered=True)
     assert _reused(c) == 0
-    c.plan(seqs, 32)
-    c.planned(1.0, 32)  # and the streak went on where it was
-    assert _reused(c) == MAX_REUSE
+    c = _plain_planned(1.0, n=1, streak=4)  # 7 steps after the 4th plain plan in a row
+    while c.reuse_plain([(0, 4, None)], 1) is not None:
+        pass
+    assert c.plan([(0, 4, None)], 1)[0][0] == 0
+    c.planned(1.0, 1, nothing_offered=True)
+    assert _reused(c, n=1) == 0
+    c.plan([(0, 4, None)], 1)
+    c.planned(1.0, 1)  # and the streak went on where it was: the 5th
+    assert _reused(c, n=1) == 15
 
 
 def test_a_dear_plain_plan_is_reused_until_planning_costs_its_share():

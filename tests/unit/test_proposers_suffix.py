@@ -248,3 +248,16 @@ def test_a_datastore_of_another_vocabulary_is_refused_alone_or_in_combined(tmp_p
         make_proposer(config, target_vocab_size=None)  # no target to check against: a drafter service
         with pytest.raises(ValueError, match="another tokenizer"):
             make_proposer(config, target_vocab_size=None, target_vocab_hash="def")
+
+
+def test_a_source_the_request_skips_is_not_asked(tmp_path):
+    from specd.proposers.datastore import save
+
+    save(tmp_path / "ds", [[60, 61, 62, 63, 64]], {"vocab_hash": ""})
+    p = make(suffix_decoding_datastore=str(tmp_path / "ds"), suffix_decoding_max_cached_requests=0)
+    (asked,) = p.propose([full(1, [1, 2, 60, 61], 8)])
+    assert asked.token_ids == [62, 63] and asked.source == "datastore"
+    (skipped,) = p.propose([full(2, [1, 2, 60, 61], 8, skip_sources=frozenset({"datastore"}))])
+    assert skipped.token_ids == []
+    (own,) = p.propose([full(3, [60, 61, 62, 5, 60, 61], 8, skip_sources=frozenset({"datastore"}))])
+    assert own.token_ids == [62, 5] and own.source == "own"  # the request's own history is always asked

@@ -569,14 +569,31 @@ def test_the_index_is_asked_only_where_one_of_its_drafts_could_pay():
     for t in range(30, 45):
         for _ in range(3):
             c.observe_verify(t, compute_bound(t))
-    assert not c.offers_may_pay("suffix", 32, 32, 8, {False})
-    assert c.offers_may_pay("suffix", 1, 1, 8, {False})
+    assert not c.offers_may_pay("suffix", 32, 32, 8, {False})[0]
+    assert c.offers_may_pay("suffix", 1, 1, 8, {False})[0]
     copies = _offering_drafter(compute_bound, {8: 0.97})  # long copies, nearly always right, pay even there
     for t in range(30, 45):
         for _ in range(3):
             copies.observe_verify(t, compute_bound(t))
-    assert copies.offers_may_pay("suffix", 32, 32, 8, {False})
-    assert SpecController(8).offers_may_pay("suffix", 32, 32, 8, {False})  # nothing timed yet: ask
+    assert copies.offers_may_pay("suffix", 32, 32, 8, {False})[0]
+    assert SpecController(8).offers_may_pay("suffix", 32, 32, 8, {False}) == (True, frozenset())  # nothing timed yet: ask
+
+
+def test_a_source_none_of_whose_drafts_could_pay_is_not_asked():
+    """At batch 32 on a CPU the index's own copies pay and its datastore's guesses do not: the index
+    is still asked, without the datastore (a lookup costs ~0.1 ms a sequence); at batch 1 both pay."""
+    compute_bound = lambda t: 0.010 + 0.004 * t  # noqa: E731
+    c = SpecController(8)
+    for t in range(1, 45):
+        for _ in range(3):
+            c.observe_verify(t, compute_bound(t))
+    rng = random.Random(5)
+    for _ in range(300):
+        for source, p in (("own", 0.97), ("datastore", 0.3)):
+            c.observe_proposal(9, "suffix", True)
+            c.observe_accept(9, 8, 8 if rng.random() < p else 0, "suffix", offered=8, source=source)
+    assert c.offers_may_pay("suffix", 32, 32, 8, {False}) == (True, frozenset({"datastore"}))
+    assert c.offers_may_pay("suffix", 1, 1, 8, {False}) == (True, frozenset())
 
 
 def test_speculative_cycles_that_accept_fewer_drafts_than_predicted_scale_its_tokens_down():
