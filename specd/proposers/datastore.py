@@ -2,9 +2,8 @@
 retrieval from a datastore; here the datastore is the target's own answers, so it drafts what
 this target says, and it is SuffixDecoding's global tree filled before the first request).
 
-The suffix proposer asks it beside the request's own history (whose draft it replaces only where
-it scores over twice as high: suffix.py). A draft: the
-longest suffix of the context (at most max_depth - 1 tokens) that occurs in the datastore,
+The suffix proposer asks it only where the request's own history has no draft (suffix.py). A
+draft: the longest suffix of the context (at most max_depth - 1 tokens) that occurs in the datastore,
 then, while the path's probability stays >= min_token_prob, the token that most often follows
 the occurrences still on the path (the newest occurrence breaks ties, as the suffix trie
 does), at most min(k, match length x max_spec_factor) tokens. Longer matches are tried first

@@ -684,3 +684,23 @@ def test_an_index_keeps_each_sources_acceptance_apart():
     assert plan[0] == (8, "suffix") and plan[1][0] == 0
     plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "datastore"}, 2: {"suffix": "own"}})
     assert plan[0][0] == 0 and plan[1] == (8, "suffix")
+
+
+def test_a_source_is_priced_with_what_speculative_cycles_really_made():
+    """The same source and drafts: at batch 8 they are predicted to pay, and asked for; once the
+    speculative cycles there have made 0.3 of the accepted tokens predicted, they are not, while
+    batch 1 (calibrated on its own) still asks."""
+    verify = lambda t: 0.010 + 0.0015 * t  # noqa: E731
+    c = SpecController(8)
+    for t in range(1, 45):
+        for _ in range(3):
+            c.observe_verify(t, verify(t))
+    rng = random.Random(5)
+    for _ in range(300):
+        c.observe_proposal(9, "suffix", True)
+        c.observe_accept(9, 8, 8 if rng.random() < 0.5 else 0, "suffix", offered=8, source="datastore")
+    assert c.offers_may_pay("suffix", 8, 8, 8, {False}) == (True, frozenset())
+    for _ in range(50):
+        c.calibration.observe(8, "spec", 0.03, 0.03, accepted=3.0, predicted_accepted=10.0)
+    assert c.offers_may_pay("suffix", 8, 8, 8, {False}) == (False, frozenset({"datastore"}))
+    assert c.offers_may_pay("suffix", 1, 1, 8, {False})[0]
