@@ -66,10 +66,11 @@ SWITCH_MARGIN = 1.10
 # Where one sequence decodes and its draft was made before the plan (an in-process index's offer),
 # nothing the model leaves out is paid: the drafting is done, no drafter catches up on a history,
 # and the rows are the step's only cost, measured per T (VerifyCost's table), the draft's acceptance
-# per source and length. The wide margin there threw away a third of the index's accepted tokens on
-# chat at batch 1 (a 2-core Xeon with AMX: 1999 of 2348 offered tokens verified at 1.02, 1607 at
-# 1.10; 1.34x against 1.28x of plain). In batches the wide one stays: many sequences' rows are
-# priced by a line past the table, and at 1.02 chat lost 3-6% at batch 8 and 32 (0.96x, 0.94x).
+# per source and length. The wide margin there left a third of a datastore's offers on chat at
+# batch 1 unverified (a 2-core Xeon with AMX, one process: 1607 of 2348 offered tokens verified at
+# 1.10, 1936 at 1.02, 2200 with the plain-plan rule of planned() as well). In batches the wide one
+# stays: many sequences' rows are priced by a line past the table, and served at 1.02 five batched
+# cells lost 3-6% (chat 0.94x at batch 32).
 OFFER_SWITCH_MARGIN = 1.02
 DRAFTER_MARGIN = 1.10
 # A plan costs time of its own (asking the index drafters, weighing every k and drafter for every

@@ -503,18 +503,20 @@ def test_a_drafter_that_drafts_few_tokens_is_priced_by_the_rows_it_drafts():
     assert abs(c._predicted - (verify(3) + 0.0002)) < 0.001  # 3 tokens' forward and the draft call
 
 
-def _offering_drafter(verify, outcomes: dict[int, float], rounds: int = 200) -> SpecController:
+def _offering_drafter(verify, outcomes: dict, rounds: int = 200, max_t: int = 30) -> SpecController:
     """A controller that has verified drafts an in-process index offered before each plan:
-    outcomes {length offered: share of each draft accepted whole (else none of it)}."""
+    outcomes {length offered, or (source, length): share of each draft accepted whole (else none
+    of it)}."""
     c = SpecController(8)
-    for t in range(1, 30):
+    for t in range(1, max_t):
         for _ in range(3):
             c.observe_verify(t, verify(t))
     rng = random.Random(5)
     for _ in range(rounds):
-        for length, p in outcomes.items():
+        for key, p in outcomes.items():
+            source, length = key if isinstance(key, tuple) else ("", key)
             c.observe_proposal(9, "suffix", True)
-            c.observe_accept(9, length, length if rng.random() < p else 0, "suffix", offered=length)
+            c.observe_accept(9, length, length if rng.random() < p else 0, "suffix", offered=length, source=source)
     c.grant_exploration(0.0)
     return c
 
@@ -582,16 +584,7 @@ def test_the_index_is_asked_only_where_one_of_its_drafts_could_pay():
 def test_a_source_none_of_whose_drafts_could_pay_is_not_asked():
     """At batch 32 on a CPU the index's own copies pay and its datastore's guesses do not: the index
     is still asked, without the datastore (a lookup costs ~0.1 ms a sequence); at batch 1 both pay."""
-    compute_bound = lambda t: 0.010 + 0.004 * t  # noqa: E731
-    c = SpecController(8)
-    for t in range(1, 45):
-        for _ in range(3):
-            c.observe_verify(t, compute_bound(t))
-    rng = random.Random(5)
-    for _ in range(300):
-        for source, p in (("own", 0.97), ("datastore", 0.3)):
-            c.observe_proposal(9, "suffix", True)
-            c.observe_accept(9, 8, 8 if rng.random() < p else 0, "suffix", offered=8, source=source)
+    c = _offering_drafter(lambda t: 0.010 + 0.004 * t, {("own", 8): 0.97, ("datastore", 8): 0.3}, 300, max_t=45)
     assert c.offers_may_pay("suffix", 32, 32, 8, {False}) == (True, frozenset({"datastore"}))
     assert c.offers_may_pay("suffix", 1, 1, 8, {False}) == (True, frozenset())
 
@@ -667,17 +660,8 @@ def test_an_index_keeps_each_sources_acceptance_apart():
     """A suffix index drafts 8 tokens from the request's own history (mostly right) or from a
     datastore (mostly wrong): kept apart by source, the own draft is verified and the datastore's
     of the same length is not; one table for both would price them alike."""
-    verify = lambda t: 0.010 + 0.004 * (t - 1)  # noqa: E731 — rows dear enough that a bad draft does not pay
-    c = SpecController(8)
-    for t in range(1, 30):
-        for _ in range(3):
-            c.observe_verify(t, verify(t))
-    rng = random.Random(5)
-    for _ in range(300):
-        for source, p in (("own", 0.9), ("datastore", 0.05)):
-            c.observe_proposal(9, "suffix", True)
-            c.observe_accept(9, 8, 8 if rng.random() < p else 0, "suffix", offered=8, source=source)
-    c.grant_exploration(0.0)
+    # rows dear enough that a bad draft does not pay
+    c = _offering_drafter(lambda t: 0.010 + 0.004 * (t - 1), {("own", 8): 0.9, ("datastore", 8): 0.05}, 300)
     seqs = [(1, 8, None), (2, 8, None)]
     offered = {1: {"suffix": 8}, 2: {"suffix": 8}}
     plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "own"}, 2: {"suffix": "datastore"}})
@@ -690,15 +674,7 @@ def test_a_source_is_priced_with_what_speculative_cycles_really_made():
     """The same source and drafts: at batch 8 they are predicted to pay, and asked for; once the
     speculative cycles there have made 0.3 of the accepted tokens predicted, they are not, while
     batch 1 (calibrated on its own) still asks."""
-    verify = lambda t: 0.010 + 0.0015 * t  # noqa: E731
-    c = SpecController(8)
-    for t in range(1, 45):
-        for _ in range(3):
-            c.observe_verify(t, verify(t))
-    rng = random.Random(5)
-    for _ in range(300):
-        c.observe_proposal(9, "suffix", True)
-        c.observe_accept(9, 8, 8 if rng.random() < 0.5 else 0, "suffix", offered=8, source="datastore")
+    c = _offering_drafter(lambda t: 0.010 + 0.0015 * t, {("datastore", 8): 0.5}, 300, max_t=45)
     assert c.offers_may_pay("suffix", 8, 8, 8, {False}) == (True, frozenset())
     for _ in range(50):
         c.calibration.observe(8, "spec", 0.03, 0.03, accepted=3.0, predicted_accepted=10.0)

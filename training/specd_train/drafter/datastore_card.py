@@ -21,14 +21,14 @@ def write_card(out: Path, report: dict) -> None:
         f"{cfg['target']}'s own answers to {cfg['conversations']:,} conversations, {cfg['tokens']:,} tokens, "
         f"stored as uint32 ids end to end (`datastore.npz`, {report['file_bytes'] / 1e6:.1f} MB compressed). "
         "The index drafts the tokens that most often followed the longest suffix of the context in these "
-        "answers where that draft scores over twice what the request's own history drafts (retrieval drafting, as REST, He et al. 2024; "
+        "answers where the request's own history has no draft (retrieval drafting, as REST, He et al. 2024; "
         "SuffixDecoding's global tree filled ahead of time). Drafts are verified as any other, so the output "
         "stays exactly the target's; another target with the same tokenizer can draft from it too (not measured how well).",
         "",
-        "Opt in (not `specd up`'s default: [docs/methods.md](../../docs/methods.md) says why): `specd up "
-        f"--drafter draft_model --local-drafter 'suffix:{{\"suffix_decoding_datastore\": \"{out}\"}}'` "
-        "(the default stack plus the datastore), or the same `--local-drafter` on `specd verifier`. A target "
-        "whose vocabulary differs is refused (`vocab_hash`).",
+        "`specd up` drafts from the default target's datastore by default (what it gives served: "
+        "[docs/methods.md](../../docs/methods.md)). Another one: `specd up --drafter draft_model --local-drafter "
+        f"'suffix:{{\"suffix_decoding_datastore\": \"{out}\"}}'`, or the same `--local-drafter` on `specd verifier`. "
+        "A target whose vocabulary differs is refused (`vocab_hash`).",
         "",
         "## Data",
         "",
