@@ -41,11 +41,12 @@ def test_an_answer_kept_out_of_the_cache_is_not_drafted_from(stack, prompts, ref
     # The same prompt again: greedy, the same answer; nothing of the first is cached to draft it.
     text, _, private = answer(stack, prompt, drafter, cache_output=False)
     assert text == reference[which]
-    # Once an answer is let in (the default), the next request drafts nearly all of it from there.
+    # Once an answer is let in (the default), the next request drafts from it wherever its own
+    # history has no draft (where it has one, that stands): most of the answer is accepted.
     answer(stack, prompt, drafter, cache_output=None)
     text, n, cached = answer(stack, prompt, drafter, cache_output=False)
     assert text == reference[which]
-    assert cached >= 0.8 * (n - 1) and cached > private + 4, (cached, private, n)
+    assert cached >= 0.7 * (n - 1) and cached > private + 4, (cached, private, n)
 
 
 def test_a_bad_cache_output_is_a_400(stack, prompts):
