@@ -93,7 +93,8 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: int = Field(default=10000, ge=0)
     suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0)
     suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0, le=1)
-    # a datastore directory the suffix index also drafts from (specd/proposers/datastore.py)
+    # a datastore directory the suffix index drafts from where a request's own history has no draft
+    # (specd/proposers/datastore.py)
     suffix_decoding_datastore: str | None = None
     # draft_model: greedy drafts, or drafts sampled from the drafter's top-k truncated
     # distribution (that sparse q is what the verifier uses for exact acceptance)

@@ -109,7 +109,7 @@ class SpecController:
         self._accepted = 0  # drafts accepted in this step so far (observe_accept)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
         self._wanted_plain = False  # the last plan wanted plain decoding and ran it (not a probe)
-        self._plain_streak = 0  # plans in a row that wanted plain decoding (one that wanted speculation resets it)
+        self._plain_streak = 0  # one-sequence plans in a row that wanted plain decoding (planned())
         self._reuse: tuple[int, int] | None = None  # (batch-size bucket, steps left) that reuse a plain plan
         self._planned_seqs = 0  # sequences of the last plan
 
@@ -216,10 +216,12 @@ class SpecController:
         plain plans skipped the offers of 80-380 of ~1000 steps). In batches a plan and its offers
         cost many times more (at batch 32, 8% of a step before reuse), and the reuse starts at once."""
         self._reuse = None
+        if self._planned_seqs != 1:
+            self._plain_streak = 0  # a streak is one sequence's: one from a batch does not carry over
         if self._wanted_plain and self.step_mode == "plain" and not nothing_offered:
-            self._plain_streak += 1
             steps = int(seconds / max(PLAN_SHARE * self.verify_cost(base_tokens), 1e-9))
             if self._planned_seqs == 1:  # in batches a plan and its offers cost more: reuse at once
+                self._plain_streak += 1
                 steps = min(steps, 2 ** min(self._plain_streak - 1, 8) - 1)
             if steps > 0:
                 self._reuse = (RealizedCalibration.bucket(self._planned_seqs), min(steps, MAX_REUSE))
@@ -254,24 +256,23 @@ class SpecController:
         the sources of the index measured so far none of whose drafts could: not worth asking)."""
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             return True, frozenset()
-        d = self.drafter(name)
-        sources = {s for kind in kinds for s, _ in d.by_length[kind]} | {""}
-        paying = {s for s in sources if any(self._source_may_pay(d, s, sampled, length, num_seqs, base_tokens)
-                                            for sampled in kinds for length in range(1, cap + 1))}
-        return bool(paying), frozenset(s for s in sources - paying if s)
-
-    def _source_may_pay(self, d: DrafterStats, source: str, sampled: bool, length: int, num_seqs: int,
-                        base_tokens: int) -> bool:
-        """Calibrated as plan() rates its options: the times by what cycles of each mode took over
-        what was predicted, the accepted tokens by what speculative cycles made over their prediction
-        (at T 0.7, batch 8, a datastore's one-hot drafts made half what was predicted, and asked for
-        on that prediction cost 9% in one process)."""
-        positions = d.by_length[sampled].get((source, length)) or Positions()
-        accepted = positions.chain(length, self._alpha_prior_of(d, sampled), d.positions[sampled])[length]
-        accepted *= self.calibration.extra_scale(num_seqs)
-        step_s = self.verify_cost(base_tokens + length) / self.calibration.scale(num_seqs, "spec")
+        # Calibrated as plan() rates its options: the times by what cycles of each mode took over what
+        # was predicted, the accepted tokens by what speculative cycles made over their prediction (at
+        # T 0.7, batch 8, a datastore's one-hot drafts made half what was predicted, and asked for on
+        # that prediction cost 9% in one process). Read once: this runs every step.
+        d, extra = self.drafter(name), self.calibration.extra_scale(num_seqs)
+        spec_scale = self.calibration.scale(num_seqs, "spec")
         plain_s = self.verify_cost(base_tokens) / self.calibration.scale(num_seqs, "plain")
-        return accepted * step_s >= num_seqs * (step_s - plain_s)
+        step_s = [self.verify_cost(base_tokens + length) / spec_scale for length in range(cap + 1)]
+
+        def may_pay(source: str, sampled: bool, length: int) -> bool:
+            positions = d.by_length[sampled].get((source, length)) or Positions()
+            accepted = extra * positions.chain(length, self._alpha_prior_of(d, sampled), d.positions[sampled])[length]
+            return accepted * step_s[length] >= num_seqs * (step_s[length] - plain_s)
+
+        sources = {s for kind in kinds for s, _ in d.by_length[kind]} | {""}
+        paying = {s for s in sources if any(may_pay(s, sampled, length) for sampled in kinds for length in range(1, cap + 1))}
+        return bool(paying), frozenset(s for s in sources - paying if s)
 
     @staticmethod
     def _probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale) -> float:

@@ -297,9 +297,9 @@ class SuffixProposer:
         return state
 
     def _draft(self, state: _Request, tokens: list[int], k: int, skip: frozenset[str] = frozenset()) -> tuple[list[int], str]:
-        """-> (draft, the source that drafted it: "own", "cache" or "datastore"; the others, unless
-        in skip: ProposeRequest.skip_sources). The request's own
-        draft first: other answers' counts overstate how likely a continuation is in this one. Served
+        """-> (draft, the source that drafted it: "own", "cache" or "datastore"). The request's own
+        draft first; the other sources (unless in skip: ProposeRequest.skip_sources) only without
+        one: other answers' counts overstate how likely a continuation is in this one. Served
         in one process (bench/suffix_datastore.py, 2-core Xeon with AMX, the datastore's sources kept
         apart by the controller), server's choice / plain, chat batch 1, summaries batch 1, code edits
         batch 8: own first 1.48x, 1.65x, 1.65x; the other's draft where it scored over twice the own

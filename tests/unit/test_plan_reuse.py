@@ -37,9 +37,27 @@ def test_at_batch_1_reuse_grows_with_plans_in_a_row_that_want_plain():
 
 
 def test_a_plan_that_wants_speculation_ends_the_streak():
-    c = _plain_planned(1.0, streak=5)
-    c.plan([(0, 4, None)], 1, offered={0: {None: 4}})  # one sequence, a long offer: it speculates
+    c = _plain_planned(1.0, n=1, streak=4)
+    assert c._plain_streak == 4
+    while c.reuse_plain([(0, 4, None)], 1) is not None:
+        pass
+    for _ in range(200):  # then the index's 8-token offers are accepted whole: the next plan speculates
+        c.observe_accept(0, 8, 8, offered=8, source="own")
+    assert c.plan([(0, 8, None)], 1, offered={0: {None: 8}}, offer_sources={0: {None: "own"}})[0][0] > 0
+    c.planned(1.0, 1)
     assert c._plain_streak == 0
+
+
+def test_a_streak_does_not_carry_over_from_a_batch():
+    c = _plain_planned(1.0, n=1, streak=4)
+    seqs = [(i, 4, None) for i in range(32)]
+    assert [k for k, _ in c.plan(seqs, 32)] == [0] * 32
+    c.planned(1.0, 32)
+    while c.reuse_plain(seqs, 32) is not None:
+        pass
+    assert c.plan([(0, 4, None)], 1)[0][0] == 0
+    c.planned(1.0, 1)  # the first plain plan of one sequence again
+    assert _reused(c, n=1) == 0
 
 
 def test_no_reuse_where_the_indexes_asked_offered_nothing():
