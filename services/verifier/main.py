@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests admitted but not started yet; more are refused (RESOURCE_EXHAUSTED: HTTP 429)")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 18,
                    help="prompt tokens of those requests; more are refused the same way")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="a running request's new tokens are sent at most this often, several per chunk when steps "
+                        "are faster (its first token and its end go at once; 0: a chunk every step; default 40)")
     p.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds one engine step may run before gRPC health reports NOT_SERVING")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -144,6 +147,8 @@ def run(args) -> int:
     from specd.verifier.async_engine import Admission
 
     Admission(args.max_queued_requests, args.max_queued_tokens)  # bad bounds fail before the model loads
+    if args.stream_interval_ms is not None and args.stream_interval_ms < 0:
+        raise ValueError(f"--stream-interval-ms must be >= 0, got {args.stream_interval_ms:g}")
     if args.stall_timeout <= 0:
         raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
     metrics = VerifierMetrics()
@@ -226,7 +231,8 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.model.quantization or "")
     metrics.exact.set(int(engine.model.exact))
     async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens),
-                               worker)
+                               worker, **({} if args.stream_interval_ms is None
+                                          else {"stream_interval_s": args.stream_interval_ms / 1e3}))
 
     if pool is not None:
         pool.registry = args.registry

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each service's gRPC port + 1000; 0: off). The gateway serves its own /metrics")
     p.add_argument("--speculative-config", default=None, help="verifier speculation settings (JSON, vLLM keys)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="the verifiers send a running request's new tokens at most this often (default 40; 0: every step)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="verifiers recompute every prompt (no KV reuse across requests)")
     p.add_argument("--threads", type=int, default=None,
@@ -315,6 +317,8 @@ def run(args) -> int:
                 argv += ["--speculative-config", args.speculative_config]
             if args.max_model_len:
                 argv += ["--max-model-len", str(args.max_model_len)]
+            if args.stream_interval_ms is not None:
+                argv += ["--stream-interval-ms", str(args.stream_interval_ms)]
             if args.no_prefix_caching:
                 argv.append("--no-prefix-caching")
             stack.start(name, argv)

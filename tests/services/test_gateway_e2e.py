@@ -75,6 +75,8 @@ def test_greedy_chat_matches_the_offline_engine(client, reference):
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    # the verifier's default stream interval (40 ms) joins this tiny model's ~ms steps into fewer chunks
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) < len(ref.token_ids)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
