@@ -1,5 +1,6 @@
 """A running request's tokens go out at most every stream_interval_s (its first token and its end
-at once): the verifier's AsyncEngine on the real demo target, and the stack over HTTP."""
+at once): the verifier's AsyncEngine on the real demo target. Over HTTP with the default interval:
+test_gateway_e2e.py (fewer chunks than tokens, the offline engine's text)."""
 from __future__ import annotations
 
 import asyncio
