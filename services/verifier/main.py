@@ -197,7 +197,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.rpc.grpc_server import compute_thread, serve
     from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
-    from specd.verifier.async_engine import Admission, AsyncEngine
+    from specd.verifier.async_engine import STREAM_INTERVAL_S, Admission, AsyncEngine
     from specd.verifier.drafter_pool import DrafterPool, PoolProposer
     from specd.verifier.server import VerifierService
 
@@ -230,9 +230,9 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
         eos_token_ids=sorted(engine.eos_token_ids), speculation=spec is not None, exact=engine.model.exact,
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.model.quantization or "")
     metrics.exact.set(int(engine.model.exact))
+    interval_s = STREAM_INTERVAL_S if args.stream_interval_ms is None else args.stream_interval_ms / 1e3
     async_engine = AsyncEngine(engine, pool, metrics, Admission(args.max_queued_requests, args.max_queued_tokens),
-                               worker, **({} if args.stream_interval_ms is None
-                                          else {"stream_interval_s": args.stream_interval_ms / 1e3}))
+                               worker, interval_s)
 
     if pool is not None:
         pool.registry = args.registry
