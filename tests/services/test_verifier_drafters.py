@@ -189,9 +189,10 @@ def test_misbehaving_drafter_never_corrupts_output(stack, prompts, reference, mo
             # when the reply is read: a huge one may go in the background and land after the requests end
             _wait(lambda: _drafters(stub)[mode].violations > 0, timeout=10, what=f"{mode}'s violation counted")
         if mode == "flood":  # unsolicited replies break the stream: out of rotation
-            assert "unsolicited" in status.last_error
+            _wait(lambda: "unsolicited" in _drafters(stub)[mode].last_error, timeout=10, what="the flood's error")
         if mode == "oversized":  # over the reply size bound: the stream breaks
-            assert "RESOURCE_EXHAUSTED" in status.last_error or "larger than max" in status.last_error, status
+            _wait(lambda: any(s in _drafters(stub)[mode].last_error for s in ("RESOURCE_EXHAUSTED", "larger than max")),
+                  timeout=10, what="the oversized reply's error")
     finally:
         stub.RemoveDrafter(pb.RemoveDrafterRequest(name=mode, drain=False), timeout=10)
         servicer.stop.set()
