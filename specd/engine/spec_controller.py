@@ -106,6 +106,7 @@ class SpecController:
         self._cycle: tuple | None = None
         self._explored: tuple | None = None  # this step's exploration: (drafter, seconds charged, mode it joined)
         self._predicted_accepted = 0.0  # drafts this step's plan expects accepted (calibration.extra)
+        self._sampled_step = False  # a sequence of this step's plan samples (calibration.extra's kind)
         self._accepted = 0  # drafts accepted in this step so far (observe_accept)
         self.step_mode = "plain"  # this step as calibration sees it: plain, spec, or explore / untimed (not timed)
         self._wanted_plain = False  # the last plan wanted plain decoding and ran it (not a probe)
@@ -147,6 +148,7 @@ class SpecController:
         self._explore_names = names
         self._wanted_plain, self._planned_seqs = False, len(seqs)
         self._predicted_accepted, self._accepted = 0.0, 0
+        self._sampled_step = any(self.sampled.get(sid, False) for sid, _, _ in seqs)
         self.pinned = pinned or {}
         self.offered, self.offer_sources = offered or {}, offer_sources or {}
         self._ranked_by, self._curves = {}, {}
@@ -162,7 +164,7 @@ class SpecController:
             return choice
         n = len(seqs)
         scale = {k > 0: self.calibration.scale(n, "spec" if k else "plain") for k in (0, 1)}
-        extra = self.calibration.extra_scale(n)  # accepted drafts realized over predicted (spec cycles)
+        extra = self.calibration.extra_scale(n, self._sampled_step)  # accepted drafts realized over predicted
         best, best_rate, raw_best, plain, plain_rate = None, -1.0, None, None, 0.0
         # Where every drafter's draft is made before the plan (in-process indexes only), a draft is
         # taken whole whatever the step's k: k = 1 is every k > 0 (the other 7 of 9 options cost
@@ -260,7 +262,7 @@ class SpecController:
         # was predicted, the accepted tokens by what speculative cycles made over their prediction (at
         # T 0.7, batch 8, a datastore's one-hot drafts made half what was predicted, and asked for on
         # that prediction cost 9% in one process). Read once: this runs every step.
-        d, extra = self.drafter(name), self.calibration.extra_scale(num_seqs)
+        d, extra = self.drafter(name), self.calibration.extra_scale(num_seqs, True in kinds)
         spec_scale = self.calibration.scale(num_seqs, "spec")
         plain_s = self.verify_cost(base_tokens) / self.calibration.scale(num_seqs, "plain")
         step_s = [self.verify_cost(base_tokens + length) / spec_scale for length in range(cap + 1)]
@@ -485,16 +487,16 @@ class SpecController:
         its cycle ends when the next step begins (close_cycle)."""
         self._cycle = (num_seqs, self.step_mode, start, compute_s, self._predicted,
                        self._explored if self.step_mode == "explore" else None, self._accepted,
-                       self._predicted_accepted)
+                       self._predicted_accepted, self._sampled_step)
 
     def close_cycle(self, now: float) -> None:
         cycle, self._cycle = self._cycle, None
         if cycle is None:
             return
-        num_seqs, mode, start, compute_s, predicted, explored, accepted, predicted_accepted = cycle
+        num_seqs, mode, start, compute_s, predicted, explored, accepted, predicted_accepted, sampled = cycle
         if now - start > 2 * compute_s + 0.05:  # the engine waited for work, not an overhead
             return
-        self.calibration.observe(num_seqs, mode, now - start, predicted, accepted, predicted_accepted)
+        self.calibration.observe(num_seqs, mode, now - start, predicted, accepted, predicted_accepted, sampled)
         if explored is not None:
             # An exploration costs what its cycle took beyond the step it joined, not what was predicted:
             # the prediction leaves out the drafter reading the sequence's whole history (a draft

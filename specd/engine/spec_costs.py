@@ -146,7 +146,10 @@ class RealizedCalibration:
     follow the text (a passage that stops repeating), which the acceptance estimates follow per
     sequence, so this ratio is kept to the bias of the choice: over the chosen steps, against
     their own predictions, forgotten as fast as the times (DECAY), and measured again on every
-    probe of speculation. The side not in use is probed (PROBE_CYCLES cycles after PROBE_AFTER
+    probe of speculation. Kept apart for steps where a sampled sequence decodes and steps where all
+    are greedy: the acceptance model's bias differs by kind (at batch 8 on chat, greedy steps accepted
+    1.33x what was predicted, and scaled by that, sampled ones were picked where they accepted far
+    less: 0.94x of plain, 2-core Xeon, 2026-11-29). The side not in use is probed (PROBE_CYCLES cycles after PROBE_AFTER
     of the other) so both stay measured, and a probe's cycles outweigh the history before them
     (a probe refreshes)."""
 
@@ -164,7 +167,8 @@ class RealizedCalibration:
 
     def __init__(self) -> None:
         self.cal: dict[tuple[int, str], _Ratio] = {}  # (batch bucket, mode) -> cycle seconds ratio
-        self.extra: dict[int, _Ratio] = {}  # batch bucket -> accepted drafts over those predicted, spec cycles
+        # (batch bucket, any sequence sampled) -> accepted drafts over those predicted, spec cycles
+        self.extra: dict[tuple[int, bool], _Ratio] = {}
         self.since_probe: dict[int, int] = {}
         self.probing: dict[int, tuple[str, int]] = {}  # bucket -> (mode probed, cycles left)
 
@@ -180,14 +184,14 @@ class RealizedCalibration:
         c = self.get(num_seqs, mode)
         return 1.0 / c.value if c.n else 1.0
 
-    def extra_scale(self, num_seqs: int) -> float:
+    def extra_scale(self, num_seqs: int, sampled: bool = False) -> float:
         """Accepted drafts over what the controller predicted for the speculative cycles it chose at
         this batch size (1 until measured). The acceptance estimates are unbiased each, but the
         steps chosen are those whose estimates came out high (the winner's curse): at T 0.7 on code
         edits, batch 8, the chosen steps had 13.9 tokens predicted and 12.5 made, 8.9 and 7.1 at 5
         sequences, and their cycles, timed as predicted, ran below plain decoding's rate (2-core
         Xeon, 2026-11-28). Time alone could not see it."""
-        c = self.extra.get(self.bucket(num_seqs))
+        c = self.extra.get((self.bucket(num_seqs), sampled))
         return min(max(c.value, 0.25), 2.0) if c is not None and c.n else 1.0
 
     def mode(self, num_seqs: int, wanted: str, spec_may_pay: bool = True, probe_loss: float = 0.0) -> str:
@@ -217,7 +221,8 @@ class RealizedCalibration:
                 self.probing[b] = (other, self.PROBE_CYCLES - 1)
             # A probe's cycles outweigh the history before it: the other mode's cost, and what its
             # drafts make, may have moved.
-            for c in (self.get(num_seqs, other), self.extra.get(b) if other == "spec" else None):
+            extras = [self.extra.get((b, sampled)) for sampled in (False, True)] if other == "spec" else []
+            for c in (self.get(num_seqs, other), *extras):
                 if c is not None:
                     c.real, c.predicted = c.real * 0.3, c.predicted * 0.3
             return other
@@ -229,10 +234,10 @@ class RealizedCalibration:
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
 
     def observe(self, num_seqs: int, mode: str, seconds: float, predicted_seconds: float,
-                accepted: float = 0.0, predicted_accepted: float = 0.0) -> None:
+                accepted: float = 0.0, predicted_accepted: float = 0.0, sampled: bool = False) -> None:
         """A cycle of this mode: its seconds against those predicted, and for a speculative one the
-        drafts accepted in it against those predicted."""
+        drafts accepted in it against those predicted (sampled: a sequence of the step samples)."""
         if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
             self.get(num_seqs, mode).observe(seconds, predicted_seconds, self.DECAY)
         if mode == "spec" and predicted_accepted > 0:
-            self.extra.setdefault(self.bucket(num_seqs), _Ratio()).observe(accepted, predicted_accepted, self.DECAY)
+            self.extra.setdefault((self.bucket(num_seqs), sampled), _Ratio()).observe(accepted, predicted_accepted, self.DECAY)
