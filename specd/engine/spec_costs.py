@@ -240,4 +240,5 @@ class RealizedCalibration:
         if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
             self.get(num_seqs, mode).observe(seconds, predicted_seconds, self.DECAY)
         if mode == "spec" and predicted_accepted > 0:
-            self.extra.setdefault((self.bucket(num_seqs), sampled), _Ratio()).observe(accepted, predicted_accepted, self.DECAY)
+            extra = self.extra.setdefault((self.bucket(num_seqs), sampled), _Ratio())
+            extra.observe(accepted, predicted_accepted, self.DECAY)

@@ -66,7 +66,10 @@ def train_parallel(target_dir: Path, out: Path, args, log=print) -> dict:
         _assemble_drafter(target_dir, full, log, src=out)
         cost = measure_draft_cost(target_dir, full, cfg.drafts)
     log(f"cost: {cost}")
+    from specd_train.drafter.precision import native_bf16
+
     result = {"train": {**report, "config": asdict(cfg), "conversations": len(data),
+                        "precision": "bfloat16 autocast" if native_bf16() else "float32 (no native bf16 matmul)",
                         "tokens": sum(len(x) for x, _ in data), "data": {k: made[k] for k in (
                             "shards", "conversations", "tokens", "generated_tokens", "seconds")},
                         "data_tokens_per_s": made["generated_tokens"] / max(1e-9, made["seconds"]),
@@ -150,6 +153,7 @@ def measure_draft_cost(target_dir: Path, drafter_dir: Path, k: int, threads: int
 def write_card(out: Path, report: dict, command: str) -> None:
     train, cfg, data = report["train"], report["train"]["config"], report["train"]["data"]
     cost, m = report["cost"], report["machine"]
+    precision = train.get("precision", "float32 (no native bf16 matmul)")  # (runs before it recorded it: float32)
     k = cfg["drafts"]
     lines = [
         "# SmolLM2-135M-Instruct-drafter",
@@ -180,7 +184,7 @@ def write_card(out: Path, report: dict, command: str) -> None:
         f"{cfg['keep'][1:]} of answer anchors (PARD's conditional drop-token); cross-entropy to the data's next "
         f"token on the draft vocabulary, weight 1 on answers, {cfg['prompt_weight']} on prompts. AdamW, lr "
         f"{cfg['lr']} (warmup {cfg['warmup']}, cosine to 10%), {cfg['epochs']} epoch(s), ~{cfg['batch_rows']} rows "
-        f"per batch ({train['steps']} steps, {train['rows']:,} rows), float32 on this CPU (no native bf16 matmul); "
+        f"per batch ({train['steps']} steps, {train['rows']:,} rows), {precision} on this CPU; "
         f"{train['wall_s'] / 60:.1f} min of training, {train['wall_s_total'] / 60:.1f} min for the whole run.",
         "",
         f"## Held-out acceptance (greedy, k = {k})",
