@@ -424,7 +424,8 @@ def report(r: dict) -> str:
     lines = ["# The default stack: `specd up` as a newcomer starts it", "",
              f"Command: `python bench/default_stack.py --threads {a['threads']}"
              + "".join(f" --{k} {a[k]}" for k, full in (("workloads", "chat,code_edit,summarize"), ("batches", "1,8,32"),
-                                                        ("temperatures", "0,0.7"), ("warm", 0)) if a.get(k, full) != full)
+                                                        ("temperatures", "0,0.7"), ("warm", 0), ("rounds", 2),
+                                                        ("repeats", 3)) if a.get(k, full) != full)
              + (" --llama-server ... --gguf ..." if a["llama_server"] else "") + "`", "",
              f"SmolLM2-135M-Instruct in {m['dtype']} (what `auto` picks here), `specd up --threads {a['threads']}` "
              "with its defaults (drafters: the trained draft model and a suffix index), "
