@@ -9,6 +9,7 @@ The order matters: the fifth test kills the replicas of the module's stack.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -456,10 +457,7 @@ def _children(pid: int) -> dict[int, str]:
 
 def test_up_starts_replicas_behind_one_gateway_and_survives_losing_one(launcher, reference):
     http, drafter = launcher.free_port(), launcher.free_port()
-    # Replica 1 takes verifier + 1: neither open nor one of the ports handed out above (the drafter's
-    # free port had been verifier + 1 once, and replica 1 could not bind).
-    verifier = next(p for p in (launcher.free_port() for _ in range(50))
-                    if p < 65000 and p + 1 not in (http, drafter) and not _port_open(p + 1))
+    verifier = _port_pair_below_ephemeral()  # replica 1 takes verifier + 1
     proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "up", "--replicas", "2", "--port", str(http),
                              "--verifier-port", str(verifier), "--drafter-port", str(drafter), "--metrics-port", "0",
                              "--target", str(MODEL_DIR), "--drafter", "ngram"],
@@ -495,7 +493,26 @@ def test_up_starts_replicas_behind_one_gateway_and_survives_losing_one(launcher,
             proc.kill()
 
 
-def _port_open(port: int) -> bool:
+def _port_pair_below_ephemeral() -> int:
+    """A port p with p and p + 1 free, below the kernel's ephemeral range: a free port from the range
+    (bind to 0) can be taken by any outgoing connection before `specd up` binds it, and p + 1 was
+    (the drafter's free port once, the stack's own connections another time: replica 1 could not bind)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        p = rng.randrange(max(1024, low - 12000), low - 2)
+        if _bindable(p) and _bindable(p + 1):
+            return p
+    raise RuntimeError("no free pair of ports below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
