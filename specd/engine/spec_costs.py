@@ -149,9 +149,9 @@ class RealizedCalibration:
     probe of speculation. Kept apart for steps where a sampled sequence decodes and steps where all
     are greedy: the acceptance model's bias differs by kind (at batch 8 on chat, greedy steps accepted
     1.33x what was predicted, and scaled by that, sampled ones were picked where they accepted far
-    less: 0.94x of plain, 2-core Xeon, 2026-11-29). The side not in use is probed (PROBE_CYCLES cycles after PROBE_AFTER
-    of the other) so both stay measured, and a probe's cycles outweigh the history before them
-    (a probe refreshes)."""
+    less: 0.94x of plain, 2-core Xeon, 2026-11-29). The side not in use is probed (PROBE_CYCLES
+    cycles after PROBE_AFTER of the other) so both stay measured, and a probe's cycles outweigh the
+    history before them (a probe refreshes)."""
 
     DECAY = 0.9
     # Cycles of the mode in use before the other is probed: speculation every 64 plain cycles (it
@@ -186,7 +186,7 @@ class RealizedCalibration:
 
     def extra_scale(self, num_seqs: int, sampled: bool = False) -> float:
         """Accepted drafts over what the controller predicted for the speculative cycles it chose at
-        this batch size (1 until measured). The acceptance estimates are unbiased each, but the
+        this batch size, of this kind (sampled: a sequence of the step samples; 1 until measured). The acceptance estimates are unbiased each, but the
         steps chosen are those whose estimates came out high (the winner's curse): at T 0.7 on code
         edits, batch 8, the chosen steps had 13.9 tokens predicted and 12.5 made, 8.9 and 7.1 at 5
         sequences, and their cycles, timed as predicted, ran below plain decoding's rate (2-core
