@@ -457,7 +457,18 @@ def report(r: dict) -> str:
                      f"{d['acceptance']:.2f} | "
                      f"{', '.join(f'{k} {v}' for k, v in d['drafters'].items()) or '-'} | "
                      f"{str(d['identical']) + '/' + str(n) if 'identical' in d else '-'} |")
-    lines += ["", f"Batch 1, greedy, the same prompts, in {a['rounds']} rounds per workload after its cells; each round "
+    if any(r.get("rounds", {}).values()):  # --rounds 0: no table (a header without rows said nothing)
+        lines += rounds_table(r)
+    lines += ["", f"Machine: {cpu_name(m)} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
+              f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
+              f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
+    return "\n".join(lines)
+
+
+def rounds_table(r: dict) -> list[str]:
+    """The batch-1 comparison rounds (in-process, specd, llama-server) as report lines."""
+    a = r["args"]
+    lines = ["", f"Batch 1, greedy, the same prompts, in {a['rounds']} rounds per workload after its cells; each round "
               "runs prompt by prompt, each prompt in turn through: in-process plain decode (specd.LLM in a process of its own, loaded once, same dtype and "
               "threads), specd plain and specd's own choice over HTTP (the official client), specd plain read by a "
               "minimal SSE reader (http.client: the client shares the stack's 2 cores, and the official client's "
@@ -469,7 +480,7 @@ def report(r: dict) -> str:
               "| workload | in-process | specd plain | HTTP / in-process | raw SSE reader / in-process | specd's choice "
               "| llama-server plain | llama-server ngram | specd's choice / llama-server's best |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for w, rounds in r.get("rounds", {}).items():
+    for w, rounds in r["rounds"].items():
         if not rounds:  # --rounds 0
             continue
         mean = {k: statistics.mean(x[k] for x in rounds if k in x) for k in rounds[0]}
@@ -481,10 +492,7 @@ def report(r: dict) -> str:
                      f"{ratio['specd_plain_raw_sse']:.2f}x | {mean['specd_choice']:.1f} | "
                      + (f"{mean['llama_server_plain']:.1f} | {mean['llama_server_ngram']:.1f} | {vs_llama:.2f}x |"
                         if has_llama else "- | - | - |"))
-    lines += ["", f"Machine: {cpu_name(m)} ({' '.join(m['cpu_flags'])}), {m['cores']} cores, torch threads "
-              f"{m['threads']} in the verifier (and in-process), 1 per drafter, torch {m['torch']}; load average {m['load_avg_start']} at start, "
-              f"{m['load_avg_end']} at end; {m['date']}; {m['minutes']} min.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot(r: dict, path: Path) -> None:
