@@ -24,3 +24,16 @@ def test_a_rewritten_card_keeps_its_hand_written_limits_and_says_what_a_draft_co
     assert f"**{draft['sequential_share']:.2f}** of a target step" in card
     # and the committed card is what this template writes from the committed eval.json
     assert card == (committed / "README.md").read_text()
+
+
+def test_the_card_says_the_precision_the_run_trained_in(tmp_path):
+    """A run records what its forward ran in (bf16 autocast only where the CPU multiplies bf16
+    natively, float32 elsewhere: specd_train.drafter.precision); the card says that, not one
+    fixed precision whatever ran."""
+    committed = committed_drafter_dir()
+    shutil.copyfile(committed / "README.md", tmp_path / "README.md")
+    report = json.loads((committed / "eval.json").read_text())
+    report["train"]["precision"] = "float32 (no native bf16 matmul)"
+    write_card(tmp_path, report, "specd train-drafter --threads 2")
+    card = (tmp_path / "README.md").read_text()
+    assert "float32 (no native bf16 matmul)" in card and "bf16 autocast" not in card

@@ -64,7 +64,7 @@ def write_card(out: Path, report: dict, command: str) -> None:
         f"renormalised on the draft vocabulary, plus {cfg['argmax_weight']} x cross-entropy on the target's "
         f"argmax; weight 1 on answer tokens, {cfg['prompt_weight']} on prompt tokens.",
         f"AdamW, lr {cfg['lr']} (warmup {cfg['warmup']}, cosine to 10%), {cfg['epochs']} epochs of batches of "
-        f"~{cfg['batch_tokens']} tokens ({train['steps']} steps), bf16 autocast, "
+        f"~{cfg['batch_tokens']} tokens ({train['steps']} steps), {train.get('precision', 'bf16 autocast')}, "
         f"{train['wall_s'] / 60:.1f} min of training, {train['wall_s_total'] / 60:.1f} min for the whole run.",
         "",
         "## Held-out acceptance (greedy, k = 4)",

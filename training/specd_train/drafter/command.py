@@ -128,7 +128,7 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
     from specd.models.chat import chat_prompt_ids
     from specd.models.model_store import target_embeddings
     from specd.models.tokenizer import Tokenizer
-    from specd_train.drafter import distill
+    from specd_train.drafter import distill, precision
     from specd_train.drafter.answers import cached_answers, training_answers
     from specd_train.workloads import WORKLOADS, workload
 
@@ -159,7 +159,8 @@ def train_drafter(target_dir: Path, out: Path, cfg, args, log=print) -> dict:
              for name, ex in heldout.items()}
     _save(head, out, cfg)
     report = {"train": {**train_report, "config": asdict(cfg), "prompts": len(prompts), "questions": args.questions,
-                        "tokens": sum(len(s) for s in sequences), "wall_s_total": time.perf_counter() - t0},
+                        "tokens": sum(len(s) for s in sequences), "wall_s_total": time.perf_counter() - t0,
+                        "precision": precision.label()},
               "heldout": evals}
     with open(out / "eval.json", "w") as f:
         json.dump(report, f, indent=1)

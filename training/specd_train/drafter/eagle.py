@@ -183,7 +183,7 @@ def train_eagle(target_dir, out, args, log=print) -> dict:
                                    device="cpu")
     evals = {name: {k: acceptance(proposer, *data, k) for k in (1, 2, 4, 6)} for name, data in heldout.items()}
     result = {"train": {**report, "prompts": len(prompts), "tokens": sum(len(s) for s in seqs),
-                        "wall_s_total": time.perf_counter() - t0},
+                        "wall_s_total": time.perf_counter() - t0, "precision": precision.label()},
               "heldout": evals, "config": {k: v for k, v in vars(cfg).items()}}
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     from specd_train.drafter.eagle_card import finish

@@ -35,7 +35,7 @@ def write_card(out: Path, report: dict, command: str) -> None:
         "target's distribution there; Gaussian noise on the input states (the head reads its own predictions "
         f"after the first draft); answer positions weigh 1, prompt positions {cfg['prompt_weight']}. AdamW, lr "
         f"{cfg['lr']} (warmup {cfg['warmup']}, cosine to 10%), {cfg['epochs']} epochs of batches of ~"
-        f"{cfg['batch_tokens']} tokens ({train['steps']} steps), bf16 autocast; "
+        f"{cfg['batch_tokens']} tokens ({train['steps']} steps), {train.get('precision', 'bf16 autocast')}; "
         f"{train['wall_s'] / 60:.1f} min of training, {train['wall_s_total'] / 60:.1f} min for the whole run "
         "(on a machine shared with other jobs).", "",
         "| epoch | loss | top-1 agreement with the target (teacher-forced) |", "|---:|---:|---:|"]

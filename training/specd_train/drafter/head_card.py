@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specd_train.drafter import head_training as ht
+from specd_train.drafter import precision
 
 _ABOUT = {
     "eagle3": (
@@ -108,7 +109,7 @@ def finish_head(method: str, target_dir: Path, out: Path, args, data: dict, repo
     params = sum(int(t.numel()) for t in _tensors(out).values())
     result = {"method": method, "config": asdict(cfg), "feature_layers": list(proposer.feature_layers),
               "train": {**report, "prompts": len(data["prompts"]), "tokens": sum(len(s) for s in data["seqs"]),
-                        "wall_s_total": time.perf_counter() - t0},
+                        "wall_s_total": time.perf_counter() - t0, "precision": precision.label()},
               "heldout": evals, "params_stored": params,
               "cost": measure_cost(target_dir, out, method=method), "machine": machine(args.threads)}
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -149,7 +150,7 @@ def write_card(out: Path, r: dict, command: str) -> None:
              "`specd train-drafter`), and the target's hidden states at every position (transformers, bfloat16). "
              f"{objective} Answer positions weigh 1, prompt positions {cfg['prompt_weight']}. AdamW, lr {cfg['lr']} "
              f"(warmup {cfg['warmup']}, cosine to 10%), {cfg['epochs']} epochs of batches of ~{cfg['batch_tokens']} "
-             f"tokens ({train['steps']} steps), bf16 autocast; {train['wall_s'] / 60:.1f} min of training, "
+             f"tokens ({train['steps']} steps), {train.get('precision', 'bf16 autocast')}; {train['wall_s'] / 60:.1f} min of training, "
              f"{train['wall_s_total'] / 60:.1f} min for the whole run.", "",
              "| epoch | loss | top-1 agreement with the target (first draft, teacher-forced) |", "|---:|---:|---:|"]
     lines += [f"| {i + 1} | {e['loss']:.4f} | {e['top1_agreement']:.3f} |" for i, e in enumerate(train["epochs"])]

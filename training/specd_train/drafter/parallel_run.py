@@ -66,10 +66,10 @@ def train_parallel(target_dir: Path, out: Path, args, log=print) -> dict:
         _assemble_drafter(target_dir, full, log, src=out)
         cost = measure_draft_cost(target_dir, full, cfg.drafts)
     log(f"cost: {cost}")
-    from specd_train.drafter.precision import native_bf16
+    from specd_train.drafter import precision
 
     result = {"train": {**report, "config": asdict(cfg), "conversations": len(data),
-                        "precision": "bfloat16 autocast" if native_bf16() else "float32 (no native bf16 matmul)",
+                        "precision": precision.label(),
                         "tokens": sum(len(x) for x, _ in data), "data": {k: made[k] for k in (
                             "shards", "conversations", "tokens", "generated_tokens", "seconds")},
                         "data_tokens_per_s": made["generated_tokens"] / max(1e-9, made["seconds"]),

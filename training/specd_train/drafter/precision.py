@@ -21,6 +21,11 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def label() -> str:
+    """What a training run's forward ran in on this CPU (eval.json's train.precision, the cards' words)."""
+    return "bf16 autocast" if native_bf16() else "float32 (no native bf16 matmul)"
+
+
 def autocast():
     """The context a training forward runs in: bf16 autocast on CPUs that have it, else float32."""
     if native_bf16():
