@@ -50,6 +50,7 @@ from collections import defaultdict
 
 from specd.engine.spec_acceptance import DrafterStats, Positions, SeqDrafterStats, expected_tokens
 from specd.engine.spec_costs import RealizedCalibration, VerifyCost
+from specd.engine.spec_ledger import RequestLedger
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
@@ -102,6 +103,8 @@ class SpecController:
         self.offered: dict[int, dict[str | None, int]] = {}  # this step's drafts made before the plan: lengths
         self.offer_sources: dict[int, dict[str | None, str]] = {}  # and which source of the index made each
         self.calibration = RealizedCalibration()
+        self.ledger = RequestLedger()  # what speculation cost each sequence: the per-request rule
+        self.slack_plain_steps = 0  # steps the plan wanted to speculate in and the ledger kept plain
         self._predicted = 0.0  # seconds the model expects this step's plan to take
         self._cycle: tuple | None = None
         self._explored: tuple | None = None  # this step's exploration: (drafter, seconds charged, mode it joined)
@@ -155,12 +158,14 @@ class SpecController:
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             self.step_mode = "untimed"  # calibration learns nothing from steps the model did not choose
+            self._book(seqs, 0.0)  # not priced: the warm-up's steps, or no controller at all
             return [(f if f is not None else min(self.max_k, cap),
                      self.pinned.get(sid) or self.current.get(sid, names[0]))
                     for f, (sid, cap, _) in zip(fixed, seqs)]
         if all(f is not None for f in fixed):  # every request set its own k: nothing to choose
-            choice, _, self._predicted = self._rate(seqs, fixed, 0, names[:1], base_tokens)
+            choice, _, self._predicted, _ = self._rate(seqs, fixed, 0, names[:1], base_tokens)
             self.step_mode = "untimed" if any(fixed) else "plain"
+            self._book(seqs, 0.0)  # the requests' own choice, not the controller's
             return choice
         n = len(seqs)
         scale = {k > 0: self.calibration.scale(n, "spec" if k else "plain") for k in (0, 1)}
@@ -182,27 +187,68 @@ class SpecController:
                     plain, plain_rate = option, rate
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
                 if rate > best_rate * (margin if best is None or best[0] == 0 else 1.01):
-                    best, best_rate = (k, option), rate
+                    best, best_rate = (k, option, subset), rate
                 if raw_best is None or raw > raw_best[1] * (margin if raw_best[0] == 0 else 1.01):
-                    raw_best = (k, raw, option)
+                    raw_best = (k, raw, option, subset)
         wanted = "spec" if best[0] else "plain"
         mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0,
                                      probe_loss=self._probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale))
         if mode != wanted:  # a probe of the other mode
-            best = (raw_best[0], raw_best[2]) if mode == "spec" else (0, plain)
+            best = (raw_best[0], raw_best[2], raw_best[3]) if mode == "spec" else (0, plain, names[:1])
         self._wanted_plain = wanted == mode == "plain"
         if wanted == "spec":
             self._plain_streak = 0
-        choice, expected, self._predicted = best[1]
+        option = best[1]
+        plain_s = plain[2] / scale[False]  # a plain step of this batch, as calibrated
+        if best[0] and not any(fixed):
+            option = self._within_slack(seqs, fixed, best[0], best[2], option, plain, plain_s, scale[True], extra, base_tokens)
+        choice, expected, self._predicted, _ = option
         self._predicted_accepted = expected - n
         # Requests with their own k are neither plain nor the controller's choice: not timed.
         self.step_mode = ("untimed" if any(fixed) else
                           "spec" if any(k for k, _ in choice) else "plain")
+        step_s = self._predicted / scale[self.step_mode == "spec"]
         self._explored = None
-        if self._explore(choice, fixed, seqs, base_tokens, names, expected / max(self._predicted, 1e-9)):
+        if self._explore(choice, fixed, seqs, base_tokens, names, expected / max(self._predicted, 1e-9),
+                         min(self.ledger.headroom(sid) for sid, _, _ in seqs) * plain_s - max(step_s - plain_s, 0.0)):
+            step_s += self._explored[1]
             self._explored = (*self._explored, self.step_mode)  # and the mode of the step it joined
             self.step_mode = "explore"
+        gains = {i: gain * extra for i, gain in option[3].items()} if self.step_mode != "untimed" else {}
+        self._book(seqs, step_s / plain_s - 1.0 if self.step_mode != "untimed" and plain_s > 0 else 0.0, gains)
         return choice
+
+    def _within_slack(self, seqs, fixed, k, subset, option, plain, plain_s: float, spec_scale: float,
+                      extra: float, base_tokens: int):
+        """This speculative option, or as much of it as keeps every sequence within its ledger's
+        slack (spec_ledger): first the drafting sequences whose own drafts would not pay for the
+        step's time stay plain, then, should a sequence still lose more than it may, the whole step
+        does (the rows of a step cost every sequence in it)."""
+        for attempt in range(2):
+            choice, _, seconds, gains = option
+            extra_steps = seconds / spec_scale / plain_s - 1.0 if plain_s > 0 else 0.0
+            over = [i for i, (sid, _, _) in enumerate(seqs)
+                    if not self.ledger.fits(sid, extra_steps, gains.get(i, 0.0) * extra)]
+            if not over:
+                return option
+            drafting = [i for i in over if choice[i][0] > 0]
+            if attempt or len(drafting) < len(over):
+                break
+            fixed = list(fixed)
+            for i in drafting:
+                fixed[i] = 0
+            option = self._rate(seqs, fixed, k, subset, base_tokens)
+            if not any(ki for ki, _ in option[0]):
+                break
+        self.slack_plain_steps += 1
+        self._wanted_plain = False  # not a plan to reuse: speculation may fit again next step
+        return plain
+
+    def _book(self, seqs: list, extra_steps: float, gains: dict[int, float] | None = None) -> None:
+        """Every sequence of this step decodes in a step that costs it extra_steps plain steps beyond
+        one; gains: by index, the drafts each drafting sequence is expected to have accepted."""
+        for i, (sid, _, _) in enumerate(seqs):
+            self.ledger.charge(sid, extra_steps, gains.get(i, 0.0) if gains else 0.0)
 
     def _all_offered(self, choice: list[tuple[int, str | None]], seqs: list) -> bool:
         """Whether every sequence that drafts in this choice takes a draft offered before the plan."""
@@ -242,6 +288,7 @@ class SpecController:
             return None
         self._reuse = (bucket, left - 1)
         self.calibration.skipped(n)
+        self._book(seqs, 0.0)
         self.pinned, self.offered, self.offer_sources, self._explored = {}, {}, {}, None
         self._predicted_accepted, self._accepted = 0.0, 0
         self._predicted = self.verify_cost(base_tokens)
@@ -291,11 +338,12 @@ class SpecController:
 
     def _rate(self, seqs, fixed, k: int, subset: list[str | None], base_tokens: int):
         """(k, drafter) per sequence with drafters from subset -> (that choice, tokens expected,
-        seconds expected)."""
+        seconds expected, accepted drafts expected by index of the sequences that draft)."""
         choice, tokens, verify_tokens = [], 0.0, float(base_tokens)
         load: dict[str | None, tuple[int, int]] = {}  # drafter -> (sequences, largest k)
         drafting_seqs: dict[int, tuple[float, float]] = {}  # by index: (tokens drafted, share of proposals with drafts)
         offers: list[tuple[int, float]] = []  # (index, accepted tokens expected) of drafts made before the plan
+        gains: dict[int, float] = {}  # by index: accepted tokens expected of each drafting sequence
         for i, (f, (sid, cap, _)) in enumerate(zip(fixed, seqs)):
             ki = f if f is not None else min(k, cap)
             if ki <= 0:
@@ -319,6 +367,7 @@ class SpecController:
                 load[name] = (n + 1, max(most, ki))
             choice.append((ki, name))
             tokens += 1.0 + gain
+            gains[i] = gain
             verify_tokens += made * rows
             drafting_seqs[i] = (rows, made)
         drafting = max((self.drafter(d).seconds(n, most) for d, (n, most) in load.items()), default=0.0)
@@ -331,7 +380,7 @@ class SpecController:
             if gain * step_s < tokens * (self.verify_cost(verify_tokens) - self.verify_cost(verify_tokens - rows)):
                 choice[i] = (0, self.current.get(seqs[i][0], subset[0]))
                 tokens, verify_tokens = tokens - gain, verify_tokens - rows
-                del drafting_seqs[i]
+                del drafting_seqs[i], gains[i]
         if len(drafting_seqs) == 1:
             # One sequence drafts: its forward has base + k tokens or base, not the mean between
             # (on a CPU those two can differ by a whole matmul tile, the mean by none).
@@ -339,7 +388,7 @@ class SpecController:
             verify = made * self.verify_cost(base_tokens + rows) + (1 - made) * self.verify_cost(base_tokens)
         else:
             verify = self.verify_cost(verify_tokens)
-        return choice, tokens, verify + drafting
+        return choice, tokens, verify + drafting, gains
 
     def _best_drafter(self, sid: int, k: int, subset: list[str | None],
                       whole: int | None = None) -> tuple[str | None, float, float, float]:
@@ -437,7 +486,8 @@ class SpecController:
             return 0.0, float(cut)
         return min(per_geometric * (expected_tokens(alpha, cut) - 1.0), float(cut)), float(cut)
 
-    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float) -> bool:
+    def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float,
+                 room_s: float = float("inf")) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
         would pay best were the drafter as good as the prior (on a CPU, a k that fills a matmul
         tile costs a fraction of max_k), and the drafter with the fewest tries for this sequence
@@ -445,7 +495,9 @@ class SpecController:
         many suffix lookups, and waiting for it starved the cheap one. Only drafters whose k
         drafts, were all of them accepted, would raise the step's rate (tokens a second) are
         tried: where not even that pays (a CPU at batch 32, where each verify row costs about
-        what a sequence's step does), what a try would learn cannot be used. -> whether one does."""
+        what a sequence's step does), what a try would learn cannot be used. Nor one that would cost
+        some sequence of the step more than its ledger's slack allows (room_s: seconds the step may
+        still add; a try's drafts are credited to it only if accepted). -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit.clear()  # nothing to learn: no saving up for a burst
@@ -458,7 +510,8 @@ class SpecController:
         cap, offered = min(self.max_k, seqs[i][1]), self.offered.get(sid, {})
         options = {n: self._explore_option(n, tokens, cap, offered.get(n))
                    for n in ([self.pinned[sid]] if sid in self.pinned else names) if offered.get(n, 1) > 0}
-        affordable = [n for n, (cost, k) in options.items() if self.explore_credit[n] >= cost and k > rate * cost]
+        affordable = [n for n, (cost, k) in options.items()
+                      if self.explore_credit[n] >= cost and k > rate * cost and cost <= room_s]
         if affordable:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
             cost, k = options[name]
@@ -562,6 +615,7 @@ class SpecController:
         self.sampled[seq_id] = sampled
 
     def release(self, seq_id: int) -> None:
+        self.ledger.release(seq_id)
         self.per_seq.pop(seq_id, None)
         self.current.pop(seq_id, None)
         self.sampled.pop(seq_id, None)

@@ -94,12 +94,14 @@ class Speculator:
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
-                      "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask)",
+                      "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask); "
+                      "steps kept plain by the requests' slack so far %d, seq %d's slack %.2f steps",
                       len(decoding), c.step_mode, plan[:4], first,
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
                       {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
                       c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
-                      {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3)
+                      {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3,
+                      c.slack_plain_steps, first, c.ledger.headroom(first))
         requests, entries, out = [], [], {}
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):

@@ -20,8 +20,17 @@ def _trained(verify, alpha: float, max_k: int = 4, seqs=range(32)) -> SpecContro
             while accepted < 4 and (hash((sid, _, accepted)) % 1000) / 1000 < alpha:
                 accepted += 1
             c.observe_accept(sid, 4, accepted)
+    _decoded(c, seqs)  # the tokens of that history, for the ledger
     c.grant_exploration(0.0)  # no exploration unless a test grants the budget
     return c
+
+
+def _decoded(c: SpecController, seq_ids, tokens: int = 200) -> None:
+    """These sequences have decoded `tokens` tokens plain: their ledgers (spec_ledger) let a step
+    cost them up to its slack of that, so a test of what the plan prices is not one of the ledger."""
+    for sid in seq_ids:
+        for _ in range(tokens):
+            c.ledger.charge(sid, 0.0)
 
 
 def test_linear_cost_recovers_a_line():
@@ -284,6 +293,7 @@ def _two_drafters(verify, seqs: dict, model_step_s: float = 0.003, suffix_call_s
                     while accepted < 4 and rng.random() < alpha:
                         accepted += 1
                     c.observe_accept(sid, 4, accepted, name)
+    _decoded(c, seqs)  # the tokens of that history, for the ledger
     c.current.clear()
     c.grant_exploration(0.0)
     return c
@@ -338,6 +348,7 @@ def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
     c.observe_draft(8, 1, 8 * 0.0001)
     for _ in range(50):
         c.observe_accept(0, 3, 0)  # nothing accepted: speculation stays off, but is explored
+    _decoded(c, [0])
     c.grant_exploration(1.0)
     assert c.choose([(0, 8, None)], base_tokens=1) == [3]
 
@@ -349,7 +360,8 @@ def test_exploration_weighs_tries_by_what_they_cost():
     c = _two_drafters(lambda t: 0.0005 + 0.001 * t, {0: {"model": (0.1, 1.0), "suffix": (0.1, 1.0)}},
                       model_step_s=0.001)  # a try: ~1 ms a draft step against ~0.1 ms
     picked = []
-    for _ in range(40):  # a new sequence, 5
+    _decoded(c, [5])
+    for _ in range(40):  # a sequence new to both drafters, 5
         c.grant_exploration(1.0)
         plan = c.plan([(5, 4, None)], 1, ["model", "suffix"])
         picked += [name for k, name in plan if k]
@@ -527,6 +539,7 @@ def test_offered_drafts_are_read_by_their_length():
     where one α over both would price them alike."""
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a CPU at batch 1: a row costs 10% of a step
     c = _offering_drafter(verify, {1: 0.1, 8: 0.8})
+    _decoded(c, [1, 2])
     plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 8}, 2: {"suffix": 1}})
     assert plan[0] == (8, "suffix") and plan[1][0] == 0
     accepted, rows = c._offered_curve(1, "suffix", c.estimates(1, "suffix")[0], 8, 8)
@@ -541,6 +554,7 @@ def test_an_offered_empty_draft_is_plain_decoding_and_costs_nothing():
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731
     c = _offering_drafter(verify, {4: 0.9})
     c.observe_draft(4, 1, 0.005, name="suffix")  # a dear call the drafts made before the plan do not pay
+    _decoded(c, [1, 2])
     plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 0}, 2: {"suffix": 4}})
     assert plan[0][0] == 0 and plan[1] == (4, "suffix")
     assert c.step_mode == "spec" and abs(c._predicted - verify(2 + 4)) < 1e-9
@@ -686,6 +700,7 @@ def test_an_index_keeps_each_sources_acceptance_apart():
     c = _offering_drafter(lambda t: 0.010 + 0.004 * (t - 1), {("own", 8): 0.9, ("datastore", 8): 0.05}, 300)
     seqs = [(1, 8, None), (2, 8, None)]
     offered = {1: {"suffix": 8}, 2: {"suffix": 8}}
+    _decoded(c, [1, 2], 1000)  # a step of these rows costs the other sequence 2.3 steps: two plans' worth
     plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "own"}, 2: {"suffix": "datastore"}})
     assert plan[0] == (8, "suffix") and plan[1][0] == 0
     plan = c.plan(seqs, 2, ["suffix"], offered=offered, offer_sources={1: {"suffix": "datastore"}, 2: {"suffix": "own"}})
