@@ -126,6 +126,22 @@ def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target
     assert batch[0].token_ids == alone.token_ids
 
 
+def test_a_seeded_greedy_request_leaves_its_k_to_the_controller():
+    """A seeded sampled request drafts at the config's k, outside the batch's token budget (k decides
+    how much of its randomness a step consumes); a seeded greedy one's tokens are the argmax whatever
+    k, so its k is the controller's and the budget binds it (pinned to k 8, seeded greedy chat at
+    batch 8 had decoded at 0.66x of plain)."""
+    from specd.config import SpeculativeConfig
+    from specd.engine.sequence import Sequence
+    from specd.engine.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), None, 100, 1000)
+    greedy = Sequence([1, 2, 3], SamplingParams(temperature=0, seed=7, max_tokens=50))
+    sampled = Sequence([1, 2, 3], SamplingParams(temperature=0.7, seed=7, max_tokens=50))
+    assert spec._fixed_k(greedy) is None and spec._fixed_k(sampled) == 4
+    assert spec._cap(greedy, budget_left=1, limit=4) == 1 and spec._cap(sampled, budget_left=1, limit=4) == 4
+
+
 def _tiny_vocab_pair(tmp_path_factory):
     return tiny16_pair(tmp_path_factory, "tiny16", seed=3, drafter_scale=0.2)
 
