@@ -214,8 +214,7 @@ class SpecController:
             step_s += self._explored[1]
             self._explored = (*self._explored, self.step_mode)  # and the mode of the step it joined
             self.step_mode = "explore"
-        gains = {i: gain * extra for i, gain in option[3].items()} if self.step_mode != "untimed" else {}
-        self._book(seqs, step_s / plain_s - 1.0 if self.step_mode != "untimed" and plain_s > 0 else 0.0, gains)
+        self._book(seqs, step_s / plain_s - 1.0 if self.step_mode != "untimed" and plain_s > 0 else 0.0)
         return choice
 
     def _within_slack(self, seqs, fixed, k, subset, option, plain, plain_s: float, spec_scale: float,
@@ -244,11 +243,11 @@ class SpecController:
         self._wanted_plain = False  # not a plan to reuse: speculation may fit again next step
         return plain
 
-    def _book(self, seqs: list, extra_steps: float, gains: dict[int, float] | None = None) -> None:
+    def _book(self, seqs: list, extra_steps: float) -> None:
         """Every sequence of this step decodes in a step that costs it extra_steps plain steps beyond
-        one; gains: by index, the drafts each drafting sequence is expected to have accepted."""
-        for i, (sid, _, _) in enumerate(seqs):
-            self.ledger.charge(sid, extra_steps, gains.get(i, 0.0) if gains else 0.0)
+        one (the drafts it has accepted are credited as they come: observe_accept)."""
+        for sid, _, _ in seqs:
+            self.ledger.charge(sid, extra_steps)
 
     def _all_offered(self, choice: list[tuple[int, str | None]], seqs: list) -> bool:
         """Whether every sequence that drafts in this choice takes a draft offered before the plan."""
@@ -600,6 +599,7 @@ class SpecController:
         if num_draft == 0:
             return
         self._accepted += num_accepted
+        self.ledger.credit(seq_id, num_accepted)
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         mine = self.per_seq.setdefault(seq_id, {}).setdefault(name, SeqDrafterStats())
         sampled = self.sampled.get(seq_id, False)
