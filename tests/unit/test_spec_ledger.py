@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec_controller import MIN_SAMPLES, SpecController
+from specd.engine.spec_controller import SpecController
 from specd.engine.spec_ledger import SLACK
+from test_spec_controller import _offering_drafter
 
 
 def verify(tokens: int) -> float:
@@ -14,17 +15,7 @@ def verify(tokens: int) -> float:
 
 def _index_controller() -> SpecController:
     """A controller that has seen an in-process index's 8-token drafts accepted whole 9 times in 10."""
-    c = SpecController(8)
-    for t in range(1, 80):
-        for _ in range(3):
-            c.observe_verify(t, verify(t))
-    rng = random.Random(1)
-    for _ in range(300):
-        c.observe_proposal(999, "suffix", True)
-        c.observe_accept(999, 8, 8 if rng.random() < 0.9 else 0, "suffix", offered=8, source="own")
-    c.release(999)
-    c.grant_exploration(0.0)
-    return c
+    return _offering_drafter(verify, {("own", 8): 0.9}, rounds=300, max_t=80)
 
 
 def _wave(c: SpecController, copying: set[int], streams: int = 9, tokens: int = 200,
@@ -77,19 +68,3 @@ def test_a_stream_that_drafts_alone_is_not_held_back():
     assert max(done.values()) < 0.5 * 200 * verify(9)
     assert c.slack_plain_steps == 0
 
-
-def test_a_new_sequence_is_not_explored_until_it_has_slack_to_lose():
-    """Exploring drafts for a sequence that has decoded nothing yet would cost it its own time before
-    any plain step earned the slack; once it has decoded, the same exploration is made."""
-    c = SpecController(4)
-    for t in range(1, 17):
-        for _ in range(MIN_SAMPLES):
-            c.observe_verify(t, verify(t))
-    c.observe_draft(4, 1, 4 * 0.0001)
-    for _ in range(50):
-        c.observe_accept(7, 3, 0)  # nothing accepted: speculation stays off, but may be explored
-    c.grant_exploration(1.0)
-    assert c.choose([(0, 4, None)], base_tokens=1) == [0]
-    for _ in range(400):
-        c.ledger.charge(0, 0.0)
-    assert c.choose([(0, 4, None)], base_tokens=1)[0] > 0
