@@ -14,14 +14,15 @@ of its own that were accepted; and `made`, the tokens it decoded. A step may spe
 explore, or probe) only where, for every sequence in it, the loss after the step, its own drafts
 counted as the plan expects them, stays within SLACK of the tokens made by then; gains bank, so a
 request whose drafts paid may later wait for others'. A request's decode time is then at most
-1 + SLACK of plain decoding's at every token, as the model prices it, and the plan's own time
-(PLAN_SHARE) comes on top.
+1 + SLACK of plain decoding's at every token, as the model prices it, give or take the drafts of
+its last speculative step (counted as expected before it, as accepted after), and the plan's own
+time (PLAN_SHARE) comes on top.
 
 Drafts are credited as they were accepted, not as expected: the rule is about what each request
 got. Booked as expected, a request whose drafts kept failing where others' were accepted went on
 paying for the step's rows: in one process, code edits at batch 8 (bench/per_request.py, modeled
 time), the slowest request took 1.3x and 1.4x its plain time in two rounds, 1.03x in both with
-drafts credited as accepted (without the rule 1.1x-1.7x and 1.03x in those two runs: a batch's mix
+drafts credited as accepted (without the rule 1.1x-1.7x and 1.03-1.04x in those two runs: a batch's mix
 moves this much from run to run). The price: a sequence whose draft failed may keep its batch
 plain until its plain tokens earn the slack back.
 """
