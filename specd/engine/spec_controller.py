@@ -201,7 +201,8 @@ class SpecController:
         option = best[1]
         plain_s = plain[2] / scale[False]  # a plain step of this batch, as calibrated
         if not any(fixed) and any(k for k, _ in option[0]):
-            option = self._within_slack(seqs, fixed, best[0], best[2], option, plain, plain_s, scale[True], extra, base_tokens)
+            option = self._within_slack(seqs, fixed, best[0], best[2], option, plain, plain_s, scale[True], extra,
+                                        base_tokens)
         choice, expected, self._predicted, _ = option
         self._predicted_accepted = expected - n
         # Requests with their own k are neither plain nor the controller's choice: not timed.
