@@ -211,7 +211,7 @@ class SpecController:
         step_s = self._predicted / scale[self.step_mode == "spec"]
         self._explored = None
         if self._explore(choice, fixed, seqs, base_tokens, names, expected / max(self._predicted, 1e-9),
-                         min(self.ledger.headroom(sid) for sid, _, _ in seqs) * plain_s - max(step_s - plain_s, 0.0)):
+                         plain_s, max(step_s - plain_s, 0.0)):
             step_s += self._explored[1]
             self._explored = (*self._explored, self.step_mode)  # and the mode of the step it joined
             self.step_mode = "explore"
@@ -487,7 +487,7 @@ class SpecController:
         return min(per_geometric * (expected_tokens(alpha, cut) - 1.0), float(cut)), float(cut)
 
     def _explore(self, choice: list, fixed: list, seqs: list, base_tokens: int, names: list, rate: float,
-                 room_s: float = float("inf")) -> bool:
+                 plain_s: float, spent_s: float) -> bool:
         """Let one sequence that is not speculating draft, when the budget allows, with the k that
         would pay best were the drafter as good as the prior (on a CPU, a k that fills a matmul
         tile costs a fraction of max_k), and the drafter with the fewest tries for this sequence
@@ -496,8 +496,9 @@ class SpecController:
         drafts, were all of them accepted, would raise the step's rate (tokens a second) are
         tried: where not even that pays (a CPU at batch 32, where each verify row costs about
         what a sequence's step does), what a try would learn cannot be used. Nor one that would cost
-        some sequence of the step more than its ledger's slack allows (room_s: seconds the step may
-        still add; a try's drafts are credited to it only if accepted). -> whether one does."""
+        some sequence of the step more than its ledger's slack allows (plain_s: a plain step of the
+        batch; spent_s: what the step takes beyond it already; a try's drafts are credited to it only
+        if accepted). -> whether one does."""
         idle = [i for i, ((k, _), f) in enumerate(zip(choice, fixed)) if k == 0 and f is None and seqs[i][1] > 0]
         if not idle:
             self.explore_credit.clear()  # nothing to learn: no saving up for a burst
@@ -510,8 +511,10 @@ class SpecController:
         cap, offered = min(self.max_k, seqs[i][1]), self.offered.get(sid, {})
         options = {n: self._explore_option(n, tokens, cap, offered.get(n))
                    for n in ([self.pinned[sid]] if sid in self.pinned else names) if offered.get(n, 1) > 0}
-        affordable = [n for n, (cost, k) in options.items()
-                      if self.explore_credit[n] >= cost and k > rate * cost and cost <= room_s]
+        affordable = [n for n, (cost, k) in options.items() if self.explore_credit[n] >= cost and k > rate * cost]
+        if affordable:  # the ledgers are read only where a try is otherwise made (not every plan's work)
+            room_s = min(self.ledger.headroom(s) for s, _, _ in seqs) * plain_s - spent_s
+            affordable = [n for n in affordable if options[n][0] <= room_s]
         if affordable:
             name = min(affordable, key=lambda n: (1 + (tried[n].tries if n in tried else 0)) * options[n][0])
             cost, k = options[name]

@@ -150,7 +150,8 @@ def write_card(out: Path, r: dict, command: str) -> None:
              "`specd train-drafter`), and the target's hidden states at every position (transformers, bfloat16). "
              f"{objective} Answer positions weigh 1, prompt positions {cfg['prompt_weight']}. AdamW, lr {cfg['lr']} "
              f"(warmup {cfg['warmup']}, cosine to 10%), {cfg['epochs']} epochs of batches of ~{cfg['batch_tokens']} "
-             f"tokens ({train['steps']} steps), {train.get('precision', 'bf16 autocast')}; {train['wall_s'] / 60:.1f} min of training, "
+             f"tokens ({train['steps']} steps), {train.get('precision', 'bf16 autocast')}; "
+             f"{train['wall_s'] / 60:.1f} min of training, "
              f"{train['wall_s_total'] / 60:.1f} min for the whole run.", "",
              "| epoch | loss | top-1 agreement with the target (first draft, teacher-forced) |", "|---:|---:|---:|"]
     lines += [f"| {i + 1} | {e['loss']:.4f} | {e['top1_agreement']:.3f} |" for i, e in enumerate(train["epochs"])]
