@@ -544,10 +544,27 @@ def test_offered_drafts_are_read_by_their_length():
     _decoded(c, [1, 2])
     plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 8}, 2: {"suffix": 1}})
     assert plan[0] == (8, "suffix") and plan[1][0] == 0
-    accepted, rows = c._offered_curve(1, "suffix", c.estimates(1, "suffix")[0], 8, 8)
+    accepted, rows = c._offered_curve(1, "suffix", 8, 8)
     assert rows == 8 and 0.8 * 8 - 1.0 < accepted < 0.8 * 8 + 1.0
-    short, _ = c._offered_curve(2, "suffix", c.estimates(2, "suffix")[0], 8, 1)
+    short, _ = c._offered_curve(2, "suffix", 8, 1)
     assert short < 0.3  # 0.1 measured, drawn a little towards the drafter over all lengths
+
+
+def test_an_offer_is_priced_by_its_source_and_length_not_the_sequence_s_last_drafts():
+    """A sequence whose last drafts were all rejected (prose after a copied passage) is offered a
+    one-token draft of a kind accepted a quarter of the time, enough to pay for its row: taken. Its
+    own α had priced it at a fraction of that, and on chat at batch 1 such offers, dropped, made what
+    the ones taken did."""
+    verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a row costs 10% of a step
+    c = _offering_drafter(verify, {1: 0.25}, rounds=2000)
+    _decoded(c, [1])
+    for _ in range(20):
+        c.observe_proposal(1, "suffix", True)
+        c.observe_accept(1, 4, 0, "suffix", offered=4)
+    assert c.estimates(1, "suffix")[0] < 0.1
+    accepted, rows = c._offered_curve(1, "suffix", 8, 1)
+    assert rows == 1 and 0.2 < accepted < 0.3
+    assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
 
 
 def test_an_offered_empty_draft_is_plain_decoding_and_costs_nothing():
@@ -675,7 +692,7 @@ def test_an_offered_draft_needs_only_a_small_margin_a_drafter_to_be_asked_the_wi
 
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a row costs 10% of a step
     c = _offering_drafter(verify, {1: 0.2}, rounds=2000)
-    accepted, _ = c._offered_curve(1, "suffix", c.estimates(1, "suffix")[0], 8, 1)
+    accepted, _ = c._offered_curve(1, "suffix", 8, 1)
     assert OFFER_SWITCH_MARGIN < (1 + accepted) / 1.1 < SWITCH_MARGIN
     assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
 
