@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from in_process_stack import in_process_stack  # noqa: E402
 from machine import machine_info, machine_line, write_result  # noqa: E402
 
 UNLIMITED = 1e9  # the ledger's slack where the rule is off
@@ -36,11 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("bench/results/per_request"))
     args = p.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(args.threads)
     import specd.engine.spec_ledger as ledger
-    from specd.llm import LLM
     from specd.models import model_store
     from specd.models.chat import chat_prompt_ids
     from specd.sampling import SamplingParams
@@ -48,9 +45,7 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     info = machine_info(args.threads, dtype="bfloat16")
-    spec = {"method": "suffix", "num_speculative_tokens": 8,
-            "suffix_decoding_datastore": str(model_store.committed_datastore_dir())}
-    llm = LLM(model_store.default_target(), dtype="bfloat16", speculative_config=spec)
+    llm, spec = in_process_stack(args.threads)
     engine, slack = llm.engine, ledger.SLACK
     controller = engine.speculator.controller
     steps: list[tuple[float, int, list[int]]] = []  # (end, tokens in the forward, sequences finished)

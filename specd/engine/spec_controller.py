@@ -21,7 +21,8 @@ Cost model (DESIGN §8), measured online (the acceptance records: spec_acceptanc
                accepted ~0.8 per token against ~0.55 for the first, and the index stops drafting
                where its match ends, so a large k costs it only the rows it drafts). Expected
                accepted tokens of a draft capped at k: Σ_{i≤k} Π_{j≤i} l_j·c_j, scaled for a
-               sequence by how its own α compares with the drafter's; verify rows Σ_{i≤k} Π_{j≤i} l_j
+               sequence by how its own α compares with the drafter's (not a draft offered before
+               the plan: _offered_curve); verify rows Σ_{i≤k} Π_{j≤i} l_j
                (l_1 = 1: y below is the share with any drafts)
   pipelining   a pipelined drafter answers a share h of proposals from its draft cache: it
                drafted them while the previous step verified, so a hit costs the wait W
