@@ -190,7 +190,17 @@ class RealizedCalibration:
         steps chosen are those whose estimates came out high (the winner's curse): at T 0.7 on code
         edits, batch 8, the chosen steps had 13.9 tokens predicted and 12.5 made, 8.9 and 7.1 at 5
         sequences, and their cycles, timed as predicted, ran below plain decoding's rate (2-core
-        Xeon, 2026-11-28). Time alone could not see it."""
+        Xeon, 2026-11-28). Time alone could not see it.
+
+        Not for one greedy sequence: there the plan picks among one stream's drafts, read by what
+        drafts of their source and length accepted over all sequences, so there is little winner's
+        curse to undo, and over the ~10 cycles this ratio remembers, one stream's accepted drafts are
+        noise: on chat at batch 1 it read 0.6 to 1.5 from plan to plan and dropped a fifth of the
+        one-token offers, which made as much as the ones taken (2-core Xeon without AMX, 2026-11-29:
+        bench/offer_decisions.py, the server's choice 0.95x of fixed k 8 on chat with it, 0.97-0.98x
+        without; code edits alike). A sampled sequence keeps it (not measured there)."""
+        if num_seqs == 1 and not sampled:
+            return 1.0
         c = self.extra.get((self.bucket(num_seqs), sampled))
         return min(max(c.value, 0.25), 2.0) if c is not None and c.n else 1.0
 
