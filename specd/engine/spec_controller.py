@@ -472,9 +472,9 @@ class SpecController:
         sequences of the kind). Not scaled by the sequence's own α, as a drafter asked after the plan
         is (_curve): the offer's source and length already say whether it copies, and the sequence's
         α, read from the short drafts of prose, priced its next offers below what they made (chat at
-        batch 1, a 2-core Xeon without AMX: one-token offers accepted 0.2 whether the plan took them
-        or dropped them; dropped, 0.19-0.34 tokens of each longer one; unscaled, 1.34x of plain
-        decoding against 1.29x, modeled by one verify-cost table, code edits and summaries alike)."""
+        batch 1 in one process, a 2-core Xeon without AMX: the one-token offers the plan dropped made
+        0.2 tokens each, as the ones it took; unscaled, 1.33-1.35x of plain decoding against
+        1.29-1.30x, modeled by one verify-cost table; code edits and summaries alike)."""
         cut = min(k, length)
         if cut <= 0:
             return 0.0, 0.0

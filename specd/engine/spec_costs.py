@@ -197,8 +197,8 @@ class RealizedCalibration:
         curse to undo, and over the ~10 cycles this ratio remembers, one stream's accepted drafts are
         noise: on chat at batch 1 it read 0.6 to 1.5 from plan to plan and dropped a fifth of the
         one-token offers, which made as much as the ones taken (2-core Xeon without AMX, 2026-11-29:
-        bench/offer_decisions.py, the server's choice 0.95x of fixed k 8 on chat with it, 0.97-0.98x
-        without; code edits alike). A sampled sequence keeps it (not measured there)."""
+        bench/offer_decisions.py, the server's choice 0.95x of fixed k 8 on chat with it, 0.96x and
+        0.99x without; code edits alike). A sampled sequence keeps it (not measured there)."""
         if num_seqs == 1 and not sampled:
             return 1.0
         c = self.extra.get((self.bucket(num_seqs), sampled))
