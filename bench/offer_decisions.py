@@ -104,12 +104,14 @@ def main(argv=None) -> int:
             for m in modes[1:]:
                 tokens = sum(len(x["tokens"]) for x in runs[m])
                 modeled = sum(cost(s["tokens"]) for x in runs[m] for s in x["steps"])
-                row[m] = {"modeled": tokens * cost(1) / modeled, "wall": plain_wall / (sum(x["wall"] for x in runs[m]) / tokens),
+                wall = sum(x["wall"] for x in runs[m]) / tokens
+                row[m] = {"modeled": tokens * cost(1) / modeled, "wall": plain_wall / wall,
                           "tokens_per_step": tokens / sum(len(x["steps"]) for x in runs[m]),
                           "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(runs[m], runs["plain"]))}
             row["decisions"] = decisions(runs["choice"], runs["plain"])
             rows.append(row)
-            print(name, r, {m: {k: round(v, 3) for k, v in row[m].items()} for m in modes[1:]}, file=sys.stderr, flush=True)
+            print(name, r, {m: {k: round(v, 3) for k, v in row[m].items()} for m in modes[1:]},
+                  file=sys.stderr, flush=True)
     settings = {"model": Path(str(model_store.default_target())).name, "speculative_config": spec, "modes": modes,
                 "rounds": args.rounds, "max_tokens": args.max_tokens}
     write_result(args.out, "bench/offer_decisions.py", argv, info, settings, rows, t0, render)
@@ -156,9 +158,10 @@ def render(r: dict) -> str:
     s = r["settings"]
     modes = s["modes"][1:]
     lines = ["# What the controller does with an index's offers (bench/offer_decisions.py)", "",
-             f"{s['model']} in bf16, suffix index k 8 with the committed datastore, one process, batch 1, greedy, up to "
-             f"{s['max_tokens']} tokens; per prompt: plain (the reference), the server's choice, fixed k. modeled: plain "
-             "decoding's time over the mode's, every step priced by one table per round (the median forward of the round's steps of its size); wall: the same "
+             f"{s['model']} in bf16, suffix index k 8 with the committed datastore, one process, batch 1, greedy, "
+             f"up to {s['max_tokens']} tokens; per prompt: plain (the reference), the server's choice, fixed k. "
+             "modeled: plain decoding's time over the mode's, every step priced by one table per round (the median "
+             "forward of the round's steps of its size); wall: the same "
              "from tok/s (this VM drifts 10-30%).", "",
              "| workload | round | " + " | ".join(f"{m}: modeled / wall / tokens a step" for m in modes)
              + " | greedy identical |", "|---|---:|" + "---|" * len(modes) + "---|"]
@@ -166,10 +169,12 @@ def render(r: dict) -> str:
         lines.append(f"| {row['workload']} | {row['round']} | " + " | ".join(
             f"{row[m]['modeled']:.3f} / {row[m]['wall']:.2f}x / {row[m]['tokens_per_step']:.2f}" for m in modes)
             + " | " + ", ".join(f"{row[m]['identical']}/{row['prompts']}" for m in modes) + " |")
-    lines += ["", "The server's choice, step by step: steps whose offer of L tokens was taken or dropped, and the tokens a "
-              "step's offer made (taken) or would have made (dropped: its prefix equal to plain's answer), mean per step; "
+    lines += ["", "The server's choice, step by step: steps whose offer of L tokens was taken or dropped, and the "
+              "tokens a step's offer made (taken) or would have made (dropped: its prefix equal to plain's answer), "
+              "mean per step; "
               "reused: plain plans reused without asking the index.", "",
-              "| workload | round | reused | no offer | " + " | ".join(f"L={n} taken / dropped" for n in LENGTHS) + " |",
+              "| workload | round | reused | no offer | "
+              + " | ".join(f"L={n} taken / dropped" for n in LENGTHS) + " |",
               "|---|---:|---:|---:|" + "---|" * len(LENGTHS)]
     for row in r["rows"]:
         d = row["decisions"]
