@@ -198,9 +198,8 @@ class RealizedCalibration:
         noise: on chat at batch 1 it read 0.6 to 1.5 from plan to plan and dropped a fifth of the
         one-token offers, which made as much as the ones taken (2-core Xeon without AMX, 2026-11-29:
         bench/offer_decisions.py, the server's choice 0.95x of fixed k 8 on chat with it, 0.96x and
-        0.99x without; code edits alike). A sampled sequence keeps it (not measured there)."""
-        if num_seqs == 1 and not sampled:
-            return 1.0
+        0.99x without; code edits alike). So it is not kept for one (observe); a sampled sequence keeps
+        it (not measured there)."""
         c = self.extra.get((self.bucket(num_seqs), sampled))
         return min(max(c.value, 0.25), 2.0) if c is not None and c.n else 1.0
 
@@ -249,6 +248,6 @@ class RealizedCalibration:
         drafts accepted in it against those predicted (sampled: a sequence of the step samples)."""
         if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
             self.get(num_seqs, mode).observe(seconds, predicted_seconds, self.DECAY)
-        if mode == "spec" and predicted_accepted > 0:
+        if mode == "spec" and predicted_accepted > 0 and (num_seqs > 1 or sampled):  # not one greedy stream
             extra = self.extra.setdefault((self.bucket(num_seqs), sampled), _Ratio())
             extra.observe(accepted, predicted_accepted, self.DECAY)
