@@ -18,10 +18,18 @@
                     emitted). A sequence consumes one uniform a step without drafts, its k
                     uniforms and one more uniform (GPU: one noise row) with k drafts,
                     whatever else is in the step.
-Each seeded request draws from its own generator, so its tokens do not depend on what else
-is in the batch. (One exception on a CPU: a step holding a token tree takes the general path
-for every sequence, whose float32 probabilities round differently from the walk's weights, so
-a draw within ~1e-7 of the edge between two tokens may go the other way there.)
+  position_walk     a seeded sequence that samples (strict mode): the token at output position j
+                    is the inverse CDF of its filtered row at position_uniform(seed, j), with
+                    drafts or without; a draft is accepted where it equals that token, so the
+                    tokens are plain decoding's for that seed whatever k, drafter or batch (the
+                    controller picks its k as for any request), and a one-hot draft x is accepted
+                    with probability p(x), as the rejection test would (a sparse q is not used:
+                    seeded requests verify every draft as one-hot).
+A seeded request in a lossy mode (typical, synthetic) draws from its own generator at a k of its
+own (speculator._fixed_k), so its tokens do not depend on what else is in the batch. (One
+exception on a CPU: a step holding a token tree takes the general path for every unseeded
+sequence, whose float32 probabilities round differently from the walk's weights, so a draw within
+~1e-7 of the edge between two tokens may go the other way there.)
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ import torch
 from specd.kernels.rejection_sampler import (SpecDecodeMetadata, draw_from, draw_randomness, inverse_cdf,
                                              rejection_sample, target_rows, to_token_lists)
 from specd.kernels.sampling_ops import argmax_rows, fused
-from specd.kernels.tree_rejection_sampler import tree_rejection_sample_ref
+from specd.kernels.tree_rejection_sampler import chain_parents, tree_rejection_sample_ref
 from specd.sampling import SamplingParams
 
 _NO_TOP_K = torch.iinfo(torch.int64).max  # a rank never reached: top-k off for that row
@@ -62,17 +70,26 @@ class SamplingMetadata:
     # [B] host: greedy, or sampled at a temperature alone (no top-k, top-p, min-p) with one-hot drafts:
     # what the fused walk of a CPU verifies (Sampler._chains)
     walkable: list[bool] | None = None
+    # [B] host: (seed, output position of the step's first token) of a sequence the position walk
+    # verifies (position_walk); None elsewhere. None: no sequence does.
+    seeded_positions: list[tuple[int, int] | None] | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str,
               generators: Sequence[torch.Generator | None] | None = None,
               drafts: Sequence[Sequence[int]] | None = None, draft_q: Sequence | None = None,
-              parents: Sequence | None = None, **mode) -> SamplingMetadata:
-        """From host lists, one entry per sampled sequence; mode: SpecDecodeMetadata's knobs."""
+              parents: Sequence | None = None, positions: Sequence[int] | None = None,
+              **mode) -> SamplingMetadata:
+        """From host lists, one entry per sampled sequence; mode: SpecDecodeMetadata's knobs.
+        positions: each sequence's output position of the step's first token; given, a seeded
+        sampled sequence is verified by the position walk in strict mode (its generator unused)."""
         B = len(params)
         drafts = [[] for _ in range(B)] if drafts is None else drafts
         greedy = [p.greedy for p in params]
         spec = SpecDecodeMetadata.build(drafts, greedy, device, draft_q, parents, **mode)
+        seeded = None
+        if positions is not None and spec.mode == "strict" and any(p.seed is not None and not p.greedy for p in params):
+            seeded = [(p.seed, pos) if p.seed is not None and not p.greedy else None for p, pos in zip(params, positions)]
         synthetic = spec.mode == "synthetic"  # accepts greedy rows' drafts by chance: they draw too
         rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
         draft_rows, bonus_rows = target_rows(spec.num_draft_host)
@@ -89,11 +106,16 @@ class SamplingMetadata:
             temperature=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows], device=device),
             top_k=top_k, top_p=top_p, min_p=min_p,
             draft_rows=tensor(draft_rows), bonus_rows=tensor(bonus_rows),
-            generators=[None] * B if generators is None else list(generators),
-            draws=[not g or (synthetic and bool(d)) for g, d in zip(greedy, drafts)],
+            generators=[None if generators is None or (seeded and seeded[b]) else generators[b] for b in range(B)],
+            draws=[(not g or (synthetic and bool(d))) and not (seeded and seeded[b])
+                   for b, (g, d) in enumerate(zip(greedy, drafts))],
             spec=spec, any_greedy=any(greedy),
-            walkable=[p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and not (draft_q and draft_q[b]))
-                      for b, p in enumerate(params)])
+            # (a position-walk sequence counts as walkable: what the walk draws for it is not read, and it
+            # must not send the step's other sequences down the general path)
+            walkable=[p.greedy or bool(seeded and seeded[b])
+                      or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and not (draft_q and draft_q[b]))
+                      for b, p in enumerate(params)],
+            seeded_positions=seeded)
 
     @classmethod
     def from_batch(cls, batch, device: torch.device | str, **mode) -> SamplingMetadata:
@@ -102,25 +124,32 @@ class SamplingMetadata:
         return cls.build([e.seq.params for e in sampled], device, [e.seq.generator for e in sampled],
                          [e.draft_token_ids for e in sampled],
                          [e.drafts.q if e.drafts else None for e in sampled],
-                         [e.drafts.parents if e.drafts else None for e in sampled], **mode)
+                         [e.drafts.parents if e.drafts else None for e in sampled],
+                         [len(e.seq.output_token_ids) for e in sampled], **mode)
 
 
 def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on float32 logits [R, V] → probabilities [R, V]."""
+    return filter_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+
+
+def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """apply_sampling_filters with the per-row settings given: [R, V], [R] each -> [R, V]."""
     vocab = logits.shape[-1]
-    x = logits / meta.temperature[:, None]
-    if meta.top_k is not None:
+    x = logits / temperature[:, None]
+    if top_k is not None:
         sorted_x, order = x.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_x = sorted_x.masked_fill(ranks >= meta.top_k[:, None], float("-inf"))
+        sorted_x = sorted_x.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs_sorted = sorted_x.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        sorted_x = sorted_x.masked_fill(mass_before > meta.top_p[:, None], float("-inf"))
+        sorted_x = sorted_x.masked_fill(mass_before > top_p[:, None], float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     probs = x.softmax(dim=-1)
-    if meta.min_p is not None:
-        keep = probs >= meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    if min_p is not None:
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -160,6 +189,15 @@ class Sampler:
         """logits [R, V] float32 → per sampled sequence, the tokens to commit."""
         if not meta.generators:  # only mid-prefill chunks in the step
             return SamplerOutput([], [])
+        if meta.seeded_positions is None:
+            return self._drawn(logits, meta)
+        walked = position_walk(logits, meta)
+        if all(meta.seeded_positions):
+            return _merged(meta, walked, None)
+        return _merged(meta, walked, self._drawn(logits, meta))
+
+    def _drawn(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Every sequence from the step's randomness (those of the position walk: ignored after)."""
         r = self.randomness(logits, meta)
         chains = self._chains(logits, meta, r.noise)
         if chains is not None and all(chains):
@@ -261,6 +299,69 @@ def verify_chains(logits: torch.Tensor, meta: SamplingMetadata, which: list[bool
         logits, meta.bonus_rows - spec.num_draft, spec.num_draft, spec.draft_token_ids, spec.cu_num_draft[:-1],
         temperature.float(), uniforms, draw_u, torch.tensor(which, dtype=torch.bool))
     return SamplerOutput(to_token_lists(out), accepted.tolist())
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws output position `position` of a request seeded with `seed`
+    (position_walk): a function of the two alone, so plain and speculative steps, any batch and any
+    k read the same number for the same token. Its own person string: never a draft's seed
+    (draft_seed), so a drafter's draws are not the verifier's."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8, person=b"specd-sample").digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53
+
+
+def position_walk(logits: torch.Tensor, meta: SamplingMetadata) -> dict[int, tuple[list[int], int, list[int]]]:
+    """The sequences of meta.seeded_positions, verified position by position: from the root, the
+    target token of the current row (its filtered probabilities' inverse CDF at position_uniform of
+    that position); the walk moves to the child draft equal to it and stops where none is, emitting
+    it. Every emitted token is what plain decoding with this seed emits there, so the output does not
+    depend on the drafts, and each draft x is accepted with probability p(x) (a one-hot draft's
+    rejection test). A row is read only while the walk is on it.
+    -> {b: (tokens, accepted drafts, accepted nodes)}."""
+    spec = meta.spec
+    drafts = spec.draft_token_ids.tolist()
+    bonus_rows = meta.bonus_rows.tolist()
+    out, node0 = {}, 0
+    for b, n in enumerate(spec.num_draft_host):
+        key = meta.seeded_positions[b]
+        if key is not None:
+            seed, position = key
+            parents = (spec.parents[b] if spec.parents is not None else None) or chain_parents(n)
+            children: list[list[int]] = [[] for _ in range(n + 1)]  # by row: 0 the root, 1 + i node i
+            for i, parent in enumerate(parents):
+                children[parent + 1].append(i)
+            row0, path, cur = bonus_rows[b] - n, [], 0
+            while True:
+                token = _row_token(logits, meta, row0 + cur, position_uniform(seed, position + len(path)))
+                nxt = next((i for i in children[cur] if drafts[node0 + i] == token), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                cur = nxt + 1
+            out[b] = ([drafts[node0 + i] for i in path] + [token], len(path), path)
+        node0 += n
+    return out
+
+
+def _row_token(logits: torch.Tensor, meta: SamplingMetadata, row: int, u: float) -> int:
+    """Row `row`'s token at the uniform u: its filtered probabilities' inverse CDF (one row at a time,
+    so a row's probabilities do not depend on the other rows of the step)."""
+    r = slice(row, row + 1)
+    probs = filter_probs(logits[r], meta.temperature[r], None if meta.top_k is None else meta.top_k[r],
+                         None if meta.top_p is None else meta.top_p[r], None if meta.min_p is None else meta.min_p[r])
+    return int(inverse_cdf(probs, torch.tensor([u], dtype=torch.float64, device=logits.device))[0])
+
+
+def _merged(meta: SamplingMetadata, walked: dict, drawn: SamplerOutput | None) -> SamplerOutput:
+    """The position walk's sequences from `walked`, the others from `drawn`; accepted nodes where the
+    step has a token tree."""
+    B = len(meta.generators)
+    tokens = [walked[b][0] if b in walked else drawn.token_ids[b] for b in range(B)]
+    accepted = [walked[b][1] if b in walked else drawn.num_accepted[b] for b in range(B)]
+    if not meta.spec.has_tree:
+        return SamplerOutput(tokens, accepted)
+    paths = [walked[b][2] if b in walked else drawn.paths[b] for b in range(B)]
+    return SamplerOutput(tokens, accepted, paths)
 
 
 def draw_row_uniforms(generators: Sequence[torch.Generator | None], draws: Sequence[bool], device,

@@ -265,19 +265,29 @@ class Speculator:
         return seq.features.rows(start, end)
 
     def _fixed_k(self, seq: Sequence) -> int | None:
-        """The request's own k, if any; seeded sampled requests always draft at full k (batch-independent)."""
+        """The request's own k, if any; in a lossy mode a seeded sampled request drafts at full k
+        (batch-independent: _own_stream)."""
         if seq.params.num_speculative_tokens is not None:
             return seq.params.num_speculative_tokens
-        return self.config.num_speculative_tokens if _seeded_sampling(seq) else None
+        return self.config.num_speculative_tokens if self._own_stream(seq) else None
+
+    def _own_stream(self, seq: Sequence) -> bool:
+        """A seeded request that samples in a lossy mode: it draws from its own generator, and its k
+        decides how much of it a step consumes, so it drafts at a k of its own, not the batch's. In
+        strict mode a seeded request's token at each position is drawn by that position alone
+        (sampler.position_walk), and a greedy one's is the argmax, whatever k: their k is the
+        controller's (pinned to the full k, seeded greedy chat at batch 8 decoded at 0.66x of plain,
+        seeded T 0.7 chat 0.59-0.65x; 2-core Xeon without AMX, suffix index k 8, 2026-11-29)."""
+        return (seq.params.seed is not None and seq.params.temperature > 0
+                and self.config.rejection_sample_method != "strict")
 
     def _cap(self, seq: Sequence, budget_left: int, limit: int) -> int:
         # Never draft past max_tokens or max_model_len: k drafts can commit k + 1 tokens.
         room_tokens = seq.params.max_tokens - len(seq.output_token_ids) - 1
         room_context = self.max_model_len - len(seq) - 1
         cap = min(limit, room_tokens, room_context)
-        # A seeded sampled request's k must not depend on the batch (it decides how much of the
-        # request's randomness each step consumes), so the shared token budget skips it.
-        if not _seeded_sampling(seq):
+        # A k that must not depend on the batch (_own_stream): the shared token budget skips it.
+        if not self._own_stream(seq):
             cap = min(cap, budget_left)
         return max(0, cap)
 
@@ -356,12 +366,6 @@ def offers_chains_inline(proposer) -> bool:
     return getattr(proposer, "answers_inline", False) and getattr(proposer, "tree_branches", 1) <= 1
 
 
-def _seeded_sampling(seq: Sequence) -> bool:
-    """A seeded request that samples: its k decides how much of its own randomness a step consumes, so
-    it drafts at a k of its own, not the batch's. A greedy one's tokens are the argmax whatever k and
-    whatever it draws, so its seed binds nothing: pinned to the full k, seeded greedy chat at batch 8
-    decoded at 0.66x of plain (2-core Xeon without AMX, suffix index k 8, 2026-11-29)."""
-    return seq.params.seed is not None and seq.params.temperature > 0
 
 
 def _depth(parents: list[int]) -> int:

@@ -126,20 +126,49 @@ def test_seeded_speculative_requests_reproduce_whatever_the_batch(method, target
     assert batch[0].token_ids == alone.token_ids
 
 
-def test_a_seeded_greedy_request_leaves_its_k_to_the_controller():
-    """A seeded sampled request drafts at the config's k, outside the batch's token budget (k decides
-    how much of its randomness a step consumes); a seeded greedy one's tokens are the argmax whatever
-    k, so its k is the controller's and the budget binds it (pinned to k 8, seeded greedy chat at
-    batch 8 had decoded at 0.66x of plain)."""
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model_sampled", "draft_model_parallel_sampled", "tree"])
+def test_seeded_sampled_requests_make_plain_decoding_s_tokens(method, target, drafter, parallel_drafter, get_llm,
+                                                              make_prompts):
+    """In strict mode a seeded request's token at each position is drawn by its seed and that
+    position alone (sampler.position_walk): with every drafter (one-hot, sparse q, a tree), k as
+    the controller picks it and unseeded neighbours in the batch, its tokens are the ones plain
+    decoding gives it, filters (top-k, top-p, min-p) included; drafts were accepted, and rejected,
+    else the test would prove little."""
+    cfg = {"tree": {"method": "draft_model", "model": drafter, "num_speculative_tokens": 4,
+                    "tree": {"branching": [3, 2, 1, 1]}}}.get(method) or _methods(target, drafter, parallel_drafter)[method]
+    cfg = {**cfg, "adaptive": False}  # drafts every step: the drafts are what is tested
+    prompts = _repetitive_prompts(make_prompts, 8, seed=17)
+    filters = [{}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=300 + i, ignore_eos=True, **filters[i % 4])
+              for i in range(6)]
+    params += [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 2  # unseeded neighbours
+    plain = get_llm(target, fresh=True).generate(prompts[:6], params[:6])
+    speculative = get_llm(target, fresh=True, speculative_config=cfg).generate(prompts, params)
+    for i in range(6):
+        assert speculative[i].token_ids == plain[i].token_ids, (i, params[i])
+    accepted, drafted = (sum(o.spec[key] for o in speculative[:6]) for key in ("accepted_tokens", "draft_tokens"))
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_a_seeded_request_leaves_its_k_to_the_controller_in_strict_mode():
+    """A seeded request's token at each position is the argmax (greedy) or drawn by its position
+    alone (sampled, strict: sampler.position_walk), whatever k: its k is the controller's and the
+    budget binds it (pinned to k 8, seeded greedy chat at batch 8 had decoded at 0.66x of plain,
+    seeded T 0.7 chat 0.59-0.65x). In a lossy mode a seeded sampled request draws from its own stream,
+    whose use k decides: it drafts at the config's k, outside the batch's token budget."""
     from specd.config import SpeculativeConfig
     from specd.engine.sequence import Sequence
     from specd.engine.speculator import Speculator
 
-    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), None, 100, 1000)
     greedy = Sequence([1, 2, 3], SamplingParams(temperature=0, seed=7, max_tokens=50))
     sampled = Sequence([1, 2, 3], SamplingParams(temperature=0.7, seed=7, max_tokens=50))
-    assert spec._fixed_k(greedy) is None and spec._fixed_k(sampled) == 4
-    assert spec._cap(greedy, budget_left=1, limit=4) == 1 and spec._cap(sampled, budget_left=1, limit=4) == 4
+    strict = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), None, 100, 1000)
+    for seq in (greedy, sampled):
+        assert strict._fixed_k(seq) is None and strict._cap(seq, budget_left=1, limit=4) == 1
+    lossy = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, rejection_sample_method="typical"),
+                       None, 100, 1000)
+    assert lossy._fixed_k(greedy) is None and lossy._cap(greedy, budget_left=1, limit=4) == 1
+    assert lossy._fixed_k(sampled) == 4 and lossy._cap(sampled, budget_left=1, limit=4) == 4
 
 
 def _tiny_vocab_pair(tmp_path_factory):
@@ -155,8 +184,12 @@ def _exact_second_token_marginal(model, prompt: list[int]) -> torch.Tensor:
     return (p1[:, None] * p2).sum(0)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model_sampled", "draft_model_parallel_sampled"])
-def test_end_to_end_samples_follow_the_target_distribution(method, tmp_path_factory, get_llm):
+@pytest.mark.parametrize("method, seeded", [("ngram", False), ("draft_model_sampled", False),
+                                            ("draft_model_parallel_sampled", False), ("ngram", True),
+                                            ("draft_model_sampled", True)])
+def test_end_to_end_samples_follow_the_target_distribution(method, seeded, tmp_path_factory, get_llm):
+    """Unseeded: the rejection sampler (one-hot and sparse q drafts); seeded: the position walk
+    (sampler.position_walk), which reads no q."""
     target, drafter, hf_model = _tiny_vocab_pair(tmp_path_factory)
     prompt = [1, 5, 7, 9, 5, 7, 9, 5, 7]  # repetitive: prompt lookup drafts at the decode step
     sampled = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 1, "adaptive": False,
@@ -167,9 +200,10 @@ def test_end_to_end_samples_follow_the_target_distribution(method, tmp_path_fact
     cfg = ({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "adaptive": False}
            if method == "ngram" else sampled)
     n = 12_000
-    llm = get_llm(target, fresh=True, max_num_seqs=1024, speculative_config=cfg)
-    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
-                                       for i in range(n)])
+    # A token budget every running sequence's drafts fit in: the drafts are what is tested.
+    llm = get_llm(target, fresh=True, max_num_seqs=1024, max_num_batched_tokens=4096, speculative_config=cfg)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=i if seeded else None,
+                                                      ignore_eos=True) for i in range(n)])
     assert sum(o.spec["draft_tokens"] for o in outs) > n // 5  # enough speculated steps to matter
     second = torch.tensor([o.token_ids[1] for o in outs])
     expected = _exact_second_token_marginal(hf_model, prompt).double() * n

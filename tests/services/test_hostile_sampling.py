@@ -72,12 +72,14 @@ def liars(stub):
 
 
 async def _generate_all(address: str, prompts: list[list[int]], drafter: str, max_tokens: int):
-    """(output ids, final spec counters) per prompt; request i is seeded with i."""
+    """(output ids, final spec counters) per prompt. Unseeded: a seeded request is verified by the
+    position walk, which reads no q at all (sampler.position_walk; tests/engine/test_speculative.py),
+    and the rejection test, which does, is what a lying q could bias."""
     async with auth.aio_channel(address, SECURITY, auth.VERIFIER) as channel:
         stub = pbg.VerifierStub(channel)
 
         async def one(i: int, prompt: list[int]):
-            params = pb.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=i, ignore_eos=True,
+            params = pb.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True,
                                        num_speculative_tokens=4, drafter=drafter)
             ids, last = [], None
             async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, params=params), timeout=1500):

@@ -122,7 +122,8 @@ async def _sample_all(address: str, prompts: list[list[int]], temperature: float
         stub = pbg.VerifierStub(channel)
 
         async def one(i: int, prompt: list[int]):
-            params = pb.SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=temperature, top_p=1.0, seed=i,
+            # Unseeded: the rejection test reads the drafts' q (a seeded request's position walk does not).
+            params = pb.SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=temperature, top_p=1.0,
                                        ignore_eos=True, num_speculative_tokens=4, drafter="pd")
             ids = []
             async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, params=params), timeout=900):
