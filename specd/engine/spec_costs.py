@@ -192,14 +192,16 @@ class RealizedCalibration:
         sequences, and their cycles, timed as predicted, ran below plain decoding's rate (2-core
         Xeon, 2026-11-28). Time alone could not see it.
 
-        Not for one greedy sequence: there the plan picks among one stream's drafts, read by what
-        drafts of their source and length accepted over all sequences, so there is little winner's
-        curse to undo, and over the ~10 cycles this ratio remembers, one stream's accepted drafts are
-        noise: on chat at batch 1 it read 0.6 to 1.5 from plan to plan and dropped a fifth of the
-        one-token offers, which made as much as the ones taken (2-core Xeon without AMX, 2026-11-29:
+        Not for one sequence: there the plan picks among one stream's drafts, read by what drafts of
+        their source and length accepted over all sequences, so there is little winner's curse to
+        undo, and over the ~10 cycles this ratio remembers, one stream's accepted drafts are noise:
+        greedy chat at batch 1 read 0.6 to 1.5 from plan to plan and dropped a fifth of the one-token
+        offers, which made as much as the ones taken (2-core Xeon without AMX, 2026-11-29:
         bench/offer_decisions.py, the server's choice 0.95x of fixed k 8 on chat with it, 0.96x and
-        0.99x without; code edits alike). So it is not kept for one (observe); a sampled sequence keeps
-        it (not measured there)."""
+        0.99x without; code edits alike); one stream at T 0.7 (8 prompts, 128 tokens each, in one
+        process, the same Xeon, 2026-11-30): chat 1.06x -> 1.08x of plain, code edits 1.38x -> 1.49x,
+        summaries 1.16x -> 1.22x without it (fixed k 8: 1.09x, 1.50x, 1.26x). So it is not kept for
+        one (observe)."""
         c = self.extra.get((self.bucket(num_seqs), sampled))
         return min(max(c.value, 0.25), 2.0) if c is not None and c.n else 1.0
 
@@ -248,6 +250,6 @@ class RealizedCalibration:
         drafts accepted in it against those predicted (sampled: a sequence of the step samples)."""
         if mode in ("plain", "spec") and seconds > 0 and predicted_seconds > 0:
             self.get(num_seqs, mode).observe(seconds, predicted_seconds, self.DECAY)
-        if mode == "spec" and predicted_accepted > 0 and (num_seqs > 1 or sampled):  # not one greedy stream
+        if mode == "spec" and predicted_accepted > 0 and num_seqs > 1:  # not one stream (extra_scale)
             extra = self.extra.setdefault((self.bucket(num_seqs), sampled), _Ratio())
             extra.observe(accepted, predicted_accepted, self.DECAY)

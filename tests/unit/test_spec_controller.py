@@ -567,21 +567,23 @@ def test_an_offer_is_priced_by_its_source_and_length_not_the_sequence_s_last_dra
     assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
 
 
-def test_one_greedy_stream_is_not_scaled_by_its_last_cycles_accepted_drafts():
+def test_one_stream_is_not_scaled_by_its_last_cycles_accepted_drafts():
     """At batch 1 a one-token offer of a kind accepted a fifth of the time pays for its row. A run of
-    speculative cycles that made half their prediction (one stream: a few unlucky drafts) does not
-    drop it; in batches, and for a sampled stream, the ratio still scales what a plan expects."""
+    speculative cycles that made half their prediction (one stream, greedy or sampled: a few unlucky
+    drafts) does not drop it; in batches the ratio still scales what a plan expects."""
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a row costs 10% of a step
     c = _offering_drafter(verify, {1: 0.2}, rounds=2000)
-    _decoded(c, [1])
+    _decoded(c, [1, 2])
+    c.note_sampling(2, True)
     for _ in range(40):
         for n in (1, 8):
             c.calibration.observe(n, "spec", 0.011, 0.011, 0.5, 1.0)
             c.calibration.observe(n, "spec", 0.011, 0.011, 0.5, 1.0, sampled=True)
             c.calibration.observe(n, "plain", 0.010, 0.010)  # plain measured too: the plan is no probe
-    assert c.calibration.extra_scale(1) == 1.0
-    assert 0.45 < c.calibration.extra_scale(8) < 0.55 and 0.45 < c.calibration.extra_scale(1, sampled=True) < 0.55
-    assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
+    assert c.calibration.extra_scale(1) == 1.0 == c.calibration.extra_scale(1, sampled=True)
+    assert 0.45 < c.calibration.extra_scale(8) < 0.55 and 0.45 < c.calibration.extra_scale(8, sampled=True) < 0.55
+    for sid in (1, 2):  # greedy, sampled
+        assert c.plan([(sid, 8, None)], 1, ["suffix"], offered={sid: {"suffix": 1}})[0] == (1, "suffix"), sid
 
 
 def test_an_offered_empty_draft_is_plain_decoding_and_costs_nothing():
