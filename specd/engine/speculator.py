@@ -366,8 +366,6 @@ def offers_chains_inline(proposer) -> bool:
     return getattr(proposer, "answers_inline", False) and getattr(proposer, "tree_branches", 1) <= 1
 
 
-
-
 def _depth(parents: list[int]) -> int:
     depth: list[int] = []
     for p in parents:
