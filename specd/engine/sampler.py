@@ -314,7 +314,8 @@ def position_walk(logits: torch.Tensor, meta: SamplingMetadata) -> dict[int, tup
     """The sequences of meta.seeded_positions, verified position by position: from the root, the
     target token of the current row (its filtered probabilities' inverse CDF at position_uniform of
     that position); the walk moves to the child draft equal to it and stops where none is, emitting
-    it. Every emitted token is what plain decoding with this seed emits there, so the output does not
+    it. Every emitted token is what plain decoding with this seed emits there (bit for bit where the
+    forward is batch-invariant, as greedy output is: the server's `exact`), so the output does not
     depend on the drafts, and each draft x is accepted with probability p(x) (a one-hot draft's
     rejection test). A row is read only while the walk is on it.
     -> {b: (tokens, accepted drafts, accepted nodes)}."""
