@@ -321,9 +321,8 @@ def position_walk(logits: torch.Tensor, meta: SamplingMetadata) -> dict[int, tup
     -> {b: (tokens, accepted drafts, accepted nodes)}."""
     spec = meta.spec
     drafts = spec.draft_token_ids.tolist()
-    bonus_rows = meta.bonus_rows.tolist()
-    out, node0 = {}, 0
-    for b, n in enumerate(spec.num_draft_host):
+    out, node0, row0 = {}, 0, 0
+    for b, n in enumerate(spec.num_draft_host):  # sequence b's rows: row0 .. row0 + n (target_rows)
         key = meta.seeded_positions[b]
         if key is not None:
             seed, position = key
@@ -331,7 +330,7 @@ def position_walk(logits: torch.Tensor, meta: SamplingMetadata) -> dict[int, tup
             children: list[list[int]] = [[] for _ in range(n + 1)]  # by row: 0 the root, 1 + i node i
             for i, parent in enumerate(parents):
                 children[parent + 1].append(i)
-            row0, path, cur = bonus_rows[b] - n, [], 0
+            path, cur = [], 0
             while True:
                 token = _row_token(logits, meta, row0 + cur, position_uniform(seed, position + len(path)))
                 nxt = next((i for i in children[cur] if drafts[node0 + i] == token), None)
@@ -341,6 +340,7 @@ def position_walk(logits: torch.Tensor, meta: SamplingMetadata) -> dict[int, tup
                 cur = nxt + 1
             out[b] = ([drafts[node0 + i] for i in path] + [token], len(path), path)
         node0 += n
+        row0 += n + 1
     return out
 
 
