@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -336,6 +337,8 @@ def main() -> None:
                     help="first serve this many other conversations (training prompts, none of the held-out ones) as "
                          "the server's choice, so the suffix index's cache of finished answers holds theirs, as a server "
                          "that has been serving for a while (0: a fresh server, nothing cached)")
+    ap.add_argument("--up-args", default="", help="more arguments for `specd up` (e.g. \"--log-level debug\"; "
+                    "the stack's log is /tmp/default_stack_<port>.log)")
     ap.add_argument("--out", default="bench/results/default_stack")
     args = ap.parse_args()
     from openai import OpenAI
@@ -377,7 +380,7 @@ def main() -> None:
     # in the suffix index's cache (cache_output false), or the interleaved runs (the same prompts,
     # greedy: the same answers) would draft each other; it still drafts from what --warm put there.
     up = Server([sys.executable, "-m", "specd.cli", "up", "--threads", str(args.threads), "--port", str(port),
-                 "--verifier-port", str(free_port()), "--drafter-port", str(free_port()), "--metrics-port", "0"],
+                 "--verifier-port", str(free_port()), "--drafter-port", str(free_port()), "--metrics-port", "0", *shlex.split(args.up_args)],
                 f"http://127.0.0.1:{port}/health")
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)

@@ -438,6 +438,11 @@ class PoolProposer:
     def pinned_drafter(self, seq_id: int) -> str | None:
         return self.pool.seq_choice.get(seq_id)
 
+    @property
+    def reading_histories(self) -> bool:
+        """Whether a drafter service still reads new histories in the background (DrafterClient.catching_up)."""
+        return any(c.catching_up for c in list(self.pool.drafters.values()))
+
     def one_forward_of(self, name: str) -> bool:
         return self.pool.one_forward_of(name)
 

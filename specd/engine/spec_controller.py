@@ -117,6 +117,9 @@ class SpecController:
         self._plain_streak = 0  # one-sequence plans in a row that wanted plain decoding (planned())
         self._reuse: tuple[int, int] | None = None  # (batch-size bucket, steps left) that reuse a plain plan
         self._planned_seqs = 0  # sequences of the last plan
+        # The last plan's rates (tokens a second) for the debug log: plain's, and the best speculative
+        # option's (its k, raw and calibrated); None where the model did not choose.
+        self.rates: tuple | None = None
 
     def grant_exploration(self, seconds: float) -> None:
         """Set every drafter's exploration budget (tests: a controller starts with none)."""
@@ -157,6 +160,7 @@ class SpecController:
         self.offered, self.offer_sources = offered or {}, offer_sources or {}
         self._ranked_by, self._curves = {}, {}
         fixed = [min(o, cap) if o is not None else None for _, cap, o in seqs]
+        self.rates = None
         if not self.adaptive or self.verify_cost.n < MIN_SAMPLES:
             self.step_mode = "untimed"  # calibration learns nothing from steps the model did not choose
             self._book(seqs, 0.0)  # not priced: the warm-up's steps, or no controller at all
@@ -172,6 +176,7 @@ class SpecController:
         scale = {k > 0: self.calibration.scale(n, "spec" if k else "plain") for k in (0, 1)}
         extra = self.calibration.extra_scale(n, self._sampled_step)  # accepted drafts realized over predicted
         best, best_rate, raw_best, plain, plain_rate = None, -1.0, None, None, 0.0
+        spec_best = (0, 0.0, 0.0)  # the best speculative option: (k, raw rate, calibrated rate)
         # Where every drafter's draft is made before the plan (in-process indexes only), a draft is
         # taken whole whatever the step's k: k = 1 is every k > 0 (the other 7 of 9 options cost
         # most of a plan at batch 32).
@@ -186,12 +191,15 @@ class SpecController:
                 rate = (tokens / option[2] if option[2] > 0 else tokens) * scale[k > 0]
                 if plain is None:
                     plain, plain_rate = option, rate
+                elif rate > spec_best[2]:
+                    spec_best = (k, raw, rate)
                 # Turning speculation on must clearly pay; among k > 0 prefer the smaller when close.
                 if rate > best_rate * (margin if best is None or best[0] == 0 else 1.01):
                     best, best_rate = (k, option, subset), rate
                 if raw_best is None or raw > raw_best[1] * (margin if raw_best[0] == 0 else 1.01):
                     raw_best = (k, raw, option, subset)
         wanted = "spec" if best[0] else "plain"
+        self.rates = (plain[1] / plain[2] if plain[2] > 0 else 0.0, plain_rate, *spec_best)
         mode = self.calibration.mode(n, wanted, spec_may_pay=raw_best[0] > 0,
                                      probe_loss=self._probe_loss(wanted, best, best_rate, raw_best, plain, plain_rate, scale))
         if mode != wanted:  # a probe of the other mode
@@ -539,6 +547,12 @@ class SpecController:
 
         k = max(range(1, cap + 1), key=lambda k: expected_tokens(PRIOR_ALPHA, k) / max(step_s(k), 1e-9))
         return step_s(k) - self.verify_cost(tokens), k
+
+    def not_timed(self) -> None:
+        """This step's cycle says nothing of what its mode costs (a drafter reads a whole history in
+        it): calibration leaves it out. An exploration stays charged for what its cycle took."""
+        if self.step_mode in ("plain", "spec"):
+            self.step_mode = "untimed"
 
     def open_cycle(self, num_seqs: int, start: float, compute_s: float) -> None:
         """A decode-only step of num_seqs sequences began at `start` and computed for compute_s;

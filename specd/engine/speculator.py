@@ -52,6 +52,7 @@ class Speculator:
         self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
         self.offered_nothing = False  # the last step asked an inline drafter and got no draft from any
         self._offer_sources: dict[int, dict[str | None, str]] = {}  # the last offers' sources (Proposal.source)
+        self._reads_history = False  # this step sends a drafter (not an in-process index) a whole history
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -69,6 +70,20 @@ class Speculator:
 
     def propose(self, batch: list[ScheduledSeq], budget_left: int) -> dict[int, Drafts]:
         """Drafts by seq_id for the decoding entries of the batch (the batch is not changed)."""
+        self._reads_history = False
+        drafts = self._propose(batch, budget_left)
+        # A drafter that reads a sequence's whole history in this step (first contact, a switch, a
+        # resync), or still reads one in the background on the cores the verifier computes on, makes
+        # this cycle slower than its mode is: a one-off per sequence, which timed, the calibration
+        # would carry over the next cycles (at batch 8 on chat, the draft model's first contact with 8
+        # new sequences took the speculative calibration from 1.0 to 0.5, then 0.18, where it priced
+        # the suffix index's offers out for the rest of the run: 0.94x of plain on code edits after
+        # chat, 2-core Xeon without AMX, 2026-11-30).
+        if self._reads_history or getattr(self.proposer, "reading_histories", False):
+            self.controller.not_timed()
+        return drafts
+
+    def _propose(self, batch: list[ScheduledSeq], budget_left: int) -> dict[int, Drafts]:
         decoding = [e for e in batch if e.num_new_tokens == 1 and e.num_logits == 1]
         if not decoding:
             return {}
@@ -95,13 +110,17 @@ class Speculator:
             c, first = self.controller, decoding[0].seq.seq_id
             log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
                       "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask); "
-                      "steps kept plain by the requests' slack so far %d, seq %d's slack %.2f steps",
+                      "steps kept plain by the requests' slack so far %d, seq %d's slack %.2f steps; "
+                      "%d of %d offer %d tokens; rates (plain raw, calibrated; best spec k, raw, calibrated) %s",
                       len(decoding), c.step_mode, plan[:4], first,
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
                       {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
                       c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
                       {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3,
-                      c.slack_plain_steps, first, c.ledger.headroom(first))
+                      c.slack_plain_steps, first, c.ledger.headroom(first),
+                      sum(any(d for d in by.values()) for by in offers.values()), len(decoding),
+                      sum(len(d) for by in offers.values() for d in by.values()),
+                      c.rates and tuple(round(x, 1) for x in c.rates))
         requests, entries, out = [], [], {}
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):
@@ -133,6 +152,7 @@ class Speculator:
                                            structured_outputs=_structured(seq) if full else None,
                                            features_from=features_from, cache_output=seq.params.cache_output))
             entries.append(e)
+            self._reads_history |= full
             seq.spec_sent, seq.spec_features_from = length, None
         if not requests:
             return out
