@@ -181,8 +181,14 @@ class SpecController:
         # taken whole whatever the step's k: k = 1 is every k > 0 (the other 7 of 9 options cost
         # most of a plan at batch 32).
         k_matters = any(name not in self.offered.get(sid, {}) for sid, cap, _ in seqs if cap > 0 for name in names)
+        # One sequence drafts with one drafter: a subset of several prices what its best single one
+        # does; and a subset whose every drafter offered its draft prices every k > 0 alike. Left out,
+        # a plan at batch 1 with the default stack's two drafters took 0.30 ms, ~2% of a step.
+        subsets = _subsets(names) if n > 1 else [[name] for name in names]
+        offered_by_all = {name for name in names
+                          if all(name in self.offered.get(sid, {}) for sid, cap, _ in seqs if cap > 0)}
         for k in range(self.max_k + 1 if k_matters else min(self.max_k, 1) + 1):
-            for subset in _subsets(names) if k else [names[:1]]:
+            for subset in [s for s in subsets if k <= 1 or not set(s) <= offered_by_all] if k else [names[:1]]:
                 option = self._rate(seqs, fixed, k, subset, base_tokens)
                 raw = option[1] / option[2] if option[2] > 0 else option[1]
                 margin = OFFER_SWITCH_MARGIN if n == 1 and self._all_offered(option[0], seqs) else SWITCH_MARGIN
