@@ -6,11 +6,13 @@ to files under the test's tmp dir and are printed when a process fails to come u
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,3 +89,14 @@ def launcher(tmp_path_factory):
     launcher = Launcher(tmp_path_factory.mktemp("services"))
     yield launcher
     launcher.stop_all()
+
+
+@pytest.fixture
+def loop():
+    """An event loop in a thread: drafter servers and a verifier's pool live there, the engine in the test's."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)

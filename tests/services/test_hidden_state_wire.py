@@ -9,7 +9,6 @@ features cost the sender its drafts, not the drafter its health.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
@@ -29,17 +28,6 @@ from specd.verifier.drafter_pool import DrafterPool, PoolProposer, wire_pieces
 from specd.rpc.wire import tensor_to_proto
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture
-def loop():
-    """An event loop in a thread: the drafter servers and the pool live there, the engine here."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
 
 
 def run(loop, coro, timeout=30):

@@ -9,11 +9,9 @@ served by the real DrafterService on loopback gRPC behind the verifier's pool.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
-import pytest
 import transformers
 
 from specd.config import EngineConfig, SpeculativeConfig
@@ -84,17 +82,6 @@ def test_a_cycle_in_which_the_drafter_reads_a_whole_history_is_not_timed(model_d
     assert len(seen) >= 20 and any(mode == "spec" for mode, _ in seen), seen
     # Not one timed cycle holds a history read (each is READ_S long; the others take milliseconds).
     assert max(s for _, s in seen) < READ_S, sorted(seen, key=lambda m: -m[1])[:3]
-
-
-@pytest.fixture
-def loop():
-    """An event loop in a thread: the drafter server and the pool live there, the engine here."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
 
 
 def _on(loop, coro, timeout=30):

@@ -64,6 +64,10 @@ def test_up_serves_the_demo_pair_with_speculation(up):
 
     prompt = "def fibonacci(n):\n    "
     (ref,) = LLM(str(demo_model_dir("target"))).generate([prompt], SamplingParams(temperature=0, max_tokens=32))
+    # A fresh stack's drafters read a first history in the background (their speed unknown) and draft
+    # from the step after they hold it: under load that can outlast a 32-token answer. After one
+    # request the pool knows how fast they read, and the next request's history is read at once.
+    client.completions.create(model=MODEL, prompt="warm up", max_tokens=8, temperature=0)
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
     assert out.choices[0].text == ref.text
     assert out.usage.model_extra["speculative"]["draft_tokens"] > 0
