@@ -9,8 +9,9 @@
 //
 // The weight is packed once at load (pack_linear_weight) into blocks of 16 output columns x K pairs,
 // [ceil(N/16), ceil(K/2), 16, 2], so one 64-byte load holds the pair (k, k+1) of 16 columns:
-// the operand layout of AVX512-BF16's vdpbf16ps. CPUs without it widen the pair to float32 and take
-// two FMAs in the same order: in 16 lanes with AVX-512, in two halves of 8 with AVX2 (kernels/cpu_simd.h).
+// the operand layout of AVX512-BF16's vdpbf16ps. CPUs without it, and those where it is slower
+// (dot_products_pay), widen the pair to float32 and take two FMAs in the same order: in 16 lanes
+// with AVX-512, in two halves of 8 with AVX2 (kernels/cpu_simd.h).
 //
 // CPUs with AMX (Xeon since Sapphire Rapids) take the same packed weight as tiles: 16 pairs of a
 // column block are one 16 x 64-byte B tile, 32 of x's bf16 per row one A tile row, and each
@@ -33,7 +34,10 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(SPECD_AVX512) && !defined(SPECD_EMULATE_AVX512)
 #include <sys/syscall.h>
@@ -48,104 +52,99 @@ using bf16 = at::BFloat16;
 using namespace specd_simd;
 constexpr int64_t PREFETCH = 16;  // pairs ahead
 
+// The two ways to sum a weight pair (k, k+1) into an output, as Ops for the tiles below:
+// Op::W is a weight block in the form the Op multiplies, Op::X a row's pair of x, Op::XElem what
+// the tiles read x as. Dot takes x as it is; Fma reads x widened to float32 once per call (odd K
+// padded with a zero), so a row's pair is two broadcasts from memory, not two shifts per tile row.
 #if defined(SPECD_AVX512)
-// SPECD_CPU_BF16_DOT=0 takes the FMA path on CPUs with AVX512-BF16 too (tests cover both paths).
-bool has_avx512_bf16() {
-#if defined(SPECD_EMULATE_AVX512)
-  return false;  // the bf16 dot product is an instruction of the CPU's, not emulated
-#else
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && !switched_off("SPECD_CPU_BF16_DOT");
-  return yes;
-#endif
-}
-
-using XPair = __m512i;  // x's pair (k, k+1) as one 32-bit value in every lane
-struct WBlock {  // pairs (k, k+1) of 16 columns
-  __m512i v;
-};
-inline WBlock load_block(const bf16* w) { return {_mm512_loadu_si512(w)}; }
-
 // x's pair (k, k+1) as one 32-bit value, broadcast to 16 lanes; odd K's last pair has k + 1 = 0.
-inline XPair pair(const bf16* x) {
+inline __m512i bf16_pair(const bf16* x) {
   int32_t bits;
   std::memcpy(&bits, x, 4);
   return _mm512_set1_epi32(bits);
 }
 
-inline XPair last_pair(const bf16* x) {
+inline __m512i bf16_last_pair(const bf16* x) {
   uint16_t bits;
   std::memcpy(&bits, x, 2);
   return _mm512_set1_epi32(bits);
 }
 
 struct Dot {  // acc += x_k w_k + x_k+1 w_k+1 per lane, in one instruction
+  using XElem = bf16;
+  struct W {
+    __m512i v;
+  };
+  struct X {
+    __m512i v;
+  };
+  static inline W weights(const bf16* w) { return {_mm512_loadu_si512(w)}; }
+  static inline X pair(const bf16* x) { return {bf16_pair(x)}; }
+  static inline X last_pair(const bf16* x) { return {bf16_last_pair(x)}; }
   // Inline assembly, not the intrinsic: the intrinsic needs the whole caller compiled for
   // AVX512-BF16, which would let the compiler use it elsewhere on CPUs without it.
-  static inline V16 step(V16 acc, XPair x, WBlock w) {
+  static inline V16 step(V16 acc, X x, W w) {
 #if !defined(SPECD_EMULATE_AVX512)
-    asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc.v) : [x] "v"(x), [w] "v"(w.v));
+    asm("vdpbf16ps %[w], %[x], %[acc]" : [acc] "+v"(acc.v) : [x] "v"(x.v), [w] "v"(w.v));
 #endif
     return acc;
   }
 };
 
-struct Fma {  // the same pair as two float32 FMAs, k then k + 1
-  static inline V16 step(V16 acc, XPair x, WBlock w) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    acc.v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-                            _mm512_castsi512_ps(_mm512_slli_epi32(w.v, 16)), acc.v);
-    acc.v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
-                            _mm512_castsi512_ps(_mm512_and_si512(w.v, high)), acc.v);
-    return acc;
-  }
-};
+// A block's pairs as float32: k (the low half of each 32-bit lane) and k + 1 (the high half).
+inline void widen_pairs(const bf16* w, V16& even, V16& odd) {
+  const __m512i v = _mm512_loadu_si512(w), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  even.v = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd.v = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+}
 
-// Tiles (rows x column blocks) that fit 32 vector registers.
-constexpr int DECODE_R = 2, DECODE_C = 8, BLOCK_R = 6, BLOCK_C = 4;
+// Tiles (rows x column blocks) that fit 32 vector registers. 3-5 rows: one tile 4 blocks wide
+// (12-20 accumulators in flight). 6-12 rows (a verify block): one tile 2 blocks wide, so each
+// weight pair is loaded, and widened for Fma, once for all rows: the default target's forward
+// over 9 tokens took 1.49x the time of 1 token where 6 x 4 tiles (a 6-row pass from memory, then
+// 3 rows again from cache) on vdpbf16ps took 1.79x (2-core Xeon family 6 model 207, no AMX;
+// bench/results/verify_rows_xeon_noamx_fma.md). More rows: groups of up to 12.
+constexpr int DECODE_R = 2, DECODE_C = 8, FEW_R = 5, FEW_C = 4, BLOCK_R = 12, BLOCK_C = 2;
 #else  // AVX2 + FMA: the same pairs, as two 8-lane halves, and no bf16 dot product
-bool has_avx512_bf16() { return false; }
-
-using XPair = __m256i;
-struct WBlock {
-  __m256i lo, hi;  // columns 0-7, 8-15
-};
-inline WBlock load_block(const bf16* w) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16))};
-}
-
-inline XPair pair(const bf16* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, 4);
-  return _mm256_set1_epi32(bits);
-}
-
-inline XPair last_pair(const bf16* x) {
-  uint16_t bits;
-  std::memcpy(&bits, x, 2);
-  return _mm256_set1_epi32(bits);
-}
-
-struct Dot {  // never taken: has_avx512_bf16() is false
-  static inline V16 step(V16 acc, XPair, WBlock) { return acc; }
+struct Dot {  // never taken: dot_products_pay() is false
+  using XElem = bf16;
+  struct W {};
+  struct X {};
+  static inline W weights(const bf16*) { return {}; }
+  static inline X pair(const bf16*) { return {}; }
+  static inline X last_pair(const bf16*) { return {}; }
+  static inline V16 step(V16 acc, X, W) { return acc; }
 };
 
-struct Fma {  // two float32 FMAs per lane, k then k + 1
-  static inline __m256 half(__m256 acc, __m256 xk, __m256 xk1, __m256i w, __m256i high) {
-    acc = _mm256_fmadd_ps(xk, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), acc);
-    return _mm256_fmadd_ps(xk1, _mm256_castsi256_ps(_mm256_and_si256(w, high)), acc);
-  }
-  static inline V16 step(V16 acc, XPair x, WBlock w) {
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const __m256 xk = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    const __m256 xk1 = _mm256_castsi256_ps(_mm256_and_si256(x, high));
-    return {half(acc.lo, xk, xk1, w.lo, high), half(acc.hi, xk, xk1, w.hi, high)};
-  }
-};
+inline void widen_pairs(const bf16* w, V16& even, V16& odd) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));       // columns 0-7
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));  // columns 8-15
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, high)), _mm256_castsi256_ps(_mm256_and_si256(hi, high))};
+}
 
 // Tiles that fit 16 vector registers (each block's accumulator takes two).
-constexpr int DECODE_R = 2, DECODE_C = 2, BLOCK_R = 4, BLOCK_C = 1;
+constexpr int DECODE_R = 2, DECODE_C = 2, FEW_R = 0, FEW_C = 1, BLOCK_R = 4, BLOCK_C = 1;  // (no FEW tiles)
 #endif
+
+struct Fma {  // the same pair as two float32 FMAs, k then k + 1
+  using XElem = float;
+  struct W {
+    V16 even, odd;
+  };
+  struct X {
+    V16 even, odd;
+  };
+  static inline W weights(const bf16* w) {
+    W out;
+    widen_pairs(w, out.even, out.odd);
+    return out;
+  }
+  static inline X pair(const float* x) { return {set1(x[0]), set1(x[1])}; }
+  static inline X last_pair(const float* x) { return pair(x); }  // x[1] is the padding zero
+  static inline V16 step(V16 acc, X x, W w) { return fmadd(x.odd, w.odd, fmadd(x.even, w.even, acc)); }
+};
 
 // 16 outputs (the first `valid`) as float32, or rounded to nearest even as torch's float -> bfloat16.
 inline void store_out(V16 v, int64_t valid, bf16* y, float* yf) {
@@ -161,25 +160,26 @@ inline void store_out(V16 v, int64_t valid, bf16* y, float* yf) {
 // R rows x C column blocks of the output: R * C accumulators in registers, each over all of K.
 template <class Op, int R, int C>
 void tile(
-    const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K, const float* bias, int64_t n0, int64_t N,
+    const typename Op::XElem* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K, const float* bias, int64_t n0, int64_t N,
     bf16* y, int64_t ldy, float* yf) {
   V16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
   const int64_t block = pairs * 2 * LANES;  // one column block's elements
-  auto step = [&](int64_t p, auto broadcast) __attribute__((always_inline)) {
-    WBlock wv[C];
+  auto step = [&](int64_t p, bool last) __attribute__((always_inline)) {
+    typename Op::W wv[C];
     for (int c = 0; c < C; ++c) {
-      wv[c] = load_block(w + c * block + p * 2 * LANES);
+      wv[c] = Op::weights(w + c * block + p * 2 * LANES);
       _mm_prefetch(reinterpret_cast<const char*>(w + c * block + (p + PREFETCH) * 2 * LANES), _MM_HINT_T0);
     }
     for (int r = 0; r < R; ++r) {
-      const XPair xv = broadcast(x + r * ldx + 2 * p);
+      const auto* xr = x + r * ldx + 2 * p;
+      const typename Op::X xv = last ? Op::last_pair(xr) : Op::pair(xr);
       for (int c = 0; c < C; ++c) acc[r][c] = Op::step(acc[r][c], xv, wv[c]);
     }
   };
-  for (int64_t p = 0; p < K / 2; ++p) step(p, pair);
-  if (K % 2) step(K / 2, last_pair);
+  for (int64_t p = 0; p < K / 2; ++p) step(p, false);
+  if (K % 2) step(K / 2, true);
   // Fully unrolled (no early exit), so the accumulators stay in registers through the loop above.
   for (int c = 0; c < C; ++c) {
     const int64_t n = n0 + c * LANES;
@@ -192,7 +192,7 @@ void tile(
 
 // Rows in groups of R (the last group smaller), each group over the same column tile.
 template <class Op, int R, int C>
-void rows_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K, const float* bias,
+void rows_tile(int64_t rows, const typename Op::XElem* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K, const float* bias,
                int64_t n0, int64_t N, bf16* y, int64_t ldy, float* yf) {
   for (; rows > 0; rows -= R, x += R * ldx, y = y ? y + R * ldy : y, yf = yf ? yf + R * ldy : yf) {
     if (rows >= R) {
@@ -207,7 +207,7 @@ void rows_tile(int64_t rows, const bf16* x, int64_t ldx, const bf16* w, int64_t 
 // `blocks` column blocks from n0: as tiles of C blocks, then C/2, ... 1, so no load reaches past
 // the weight's last block.
 template <class Op, int R, int C>
-void column_tiles(int64_t blocks, int64_t rows, const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K,
+void column_tiles(int64_t blocks, int64_t rows, const typename Op::XElem* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K,
                   const float* bias, int64_t n0, int64_t N, bf16* y, float* yf) {
   int64_t done = 0;
   for (; blocks - done >= C; done += C)
@@ -219,54 +219,57 @@ void column_tiles(int64_t blocks, int64_t rows, const bf16* x, int64_t ldx, cons
   }
 }
 
-// The rows past the last full group of BLOCK_R: one tile shape (rows, column blocks) per count,
-// over the same column tile as the full groups, while it is in cache. An accumulator is one chain
-// of two dependent FMAs per K pair, so a tile keeps the FMA units busy only with enough of them
-// (AVX2: 8, for 4 cycles of latency on 2 units); a row left after a 4 x 1 tile had 2 and took as
-// long as the four before it. On AVX2 a work unit is 2 column blocks wide and that row takes a
-// 1 x 2 tile (a 5-token verify forward 0.89x the time: bench/results/verify_rows_avx2.md); 2 x 2 and
-// 3 x 2 tiles do not fit 16 registers (GCC spills accumulators, measured slower), so 2 and 3
-// rows keep their 2 x 1 and 3 x 1. AVX-512's units are 4 blocks wide, its rest as before.
+// AVX2: the rows past the last full group of BLOCK_R, one tile shape (rows, column blocks) per
+// count, over the same column tile as the full groups, while it is in cache. An accumulator is one
+// chain of two dependent FMAs per K pair, so a tile keeps the FMA units busy only with enough of
+// them (8, for 4 cycles of latency on 2 units); a row left after a 4 x 1 tile had 2 and took as
+// long as the four before it. A work unit is 2 column blocks wide and that row takes a 1 x 2 tile
+// (a 5-token verify forward 0.89x the time: bench/results/verify_rows_avx2.md); 2 x 2 and 3 x 2
+// tiles do not fit 16 registers (GCC spills accumulators, measured slower), so 2 and 3 rows keep
+// their 2 x 1 and 3 x 1. (AVX-512 splits a unit's rows into even groups instead: matmul.)
 struct RestTile {
   int rows, cols;
 };
 #if defined(SPECD_AVX512)
 constexpr int UNIT_C = BLOCK_C;
-constexpr RestTile REST[BLOCK_R] = {{}, {1, 4}, {2, 4}, {3, 4}, {4, 4}, {5, 4}};
 #else
 constexpr int UNIT_C = 2;
 constexpr RestTile REST[BLOCK_R] = {{}, {1, 2}, {2, 1}, {3, 1}};
-#endif
 
 template <class Op>
-void rest_tiles(RestTile shape, int64_t blocks, const bf16* x, int64_t ldx, const bf16* w, int64_t pairs, int64_t K,
-                const float* bias, int64_t n0, int64_t N, bf16* y, float* yf) {
-  switch (shape.rows * 8 + shape.cols) {  // REST's shapes on this ISA
-#if defined(SPECD_AVX512)
-    case 1 * 8 + 4: return column_tiles<Op, 1, 4>(blocks, 1, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-    case 2 * 8 + 4: return column_tiles<Op, 2, 4>(blocks, 2, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-    case 3 * 8 + 4: return column_tiles<Op, 3, 4>(blocks, 3, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-    case 4 * 8 + 4: return column_tiles<Op, 4, 4>(blocks, 4, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-    case 5 * 8 + 4: return column_tiles<Op, 5, 4>(blocks, 5, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-#else
+void rest_tiles(RestTile shape, int64_t blocks, const typename Op::XElem* x, int64_t ldx, const bf16* w, int64_t pairs,
+                int64_t K, const float* bias, int64_t n0, int64_t N, bf16* y, float* yf) {
+  switch (shape.rows * 8 + shape.cols) {  // REST's shapes
     case 1 * 8 + 2: return column_tiles<Op, 1, 2>(blocks, 1, x, ldx, w, pairs, K, bias, n0, N, y, yf);
     case 2 * 8 + 1: return column_tiles<Op, 2, 1>(blocks, 2, x, ldx, w, pairs, K, bias, n0, N, y, yf);
     case 3 * 8 + 1: return column_tiles<Op, 3, 1>(blocks, 3, x, ldx, w, pairs, K, bias, n0, N, y, yf);
-#endif
     default: TORCH_CHECK(false, "no rest tile of ", shape.rows, " x ", shape.cols);
   }
 }
+#endif
 
 template <class Op>
 void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y, float* yf) {
   const int64_t pairs = (K + 1) / 2, blocks = (N + LANES - 1) / LANES, block_elems = pairs * 2 * LANES;
   // Tile shapes change only the speed: each output's accumulation order is fixed above.
   // One or two rows (decode): wide tiles keep enough FMAs in flight to stream W. More (verify
-  // blocks, prefill): taller tiles that reuse each W load across rows, and the rest (REST) over the
-  // same columns while they are in cache. Work units are (column tile, chunk of 48 rows),
+  // blocks, prefill): taller tiles that reuse each W load across rows, and the rest over the same
+  // columns while they are in cache. Work units are (column tile, chunk of 48 rows),
   // tile-major, so a thread's next unit reads the same W tile from cache, not memory.
-  const bool decode = M <= 2;
-  const int64_t C = decode ? DECODE_C : UNIT_C, tiles = (blocks + C - 1) / C, chunk = 48;
+  const bool decode = M <= 2, few = !decode && M <= FEW_R;
+  const int64_t C = decode ? DECODE_C : few ? FEW_C : UNIT_C, tiles = (blocks + C - 1) / C, chunk = 48;
+  const typename Op::XElem* xs;
+  int64_t ldx = K;
+  std::vector<float> widened;  // Fma's x: float32 rows of 2 * pairs, odd K's last one zero
+  if constexpr (std::is_same_v<typename Op::XElem, float>) {
+    ldx = 2 * pairs;
+    widened.assign(M * ldx, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) widened[m * ldx + k] = static_cast<float>(x[m * K + k]);
+    xs = widened.data();
+  } else {
+    xs = x;
+  }
   const int64_t chunks = (M + chunk - 1) / chunk;
   at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -276,14 +279,30 @@ void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const
       bf16* yt = y ? y + r0 * N : nullptr;
       float* yft = yf ? yf + r0 * N : nullptr;
       if (decode) {
-        column_tiles<Op, DECODE_R, DECODE_C>(cols, rows, x + r0 * K, K, wt, pairs, K, bias, n0, N, yt, yft);
+        column_tiles<Op, DECODE_R, DECODE_C>(cols, rows, xs + r0 * ldx, ldx, wt, pairs, K, bias, n0, N, yt, yft);
         continue;
       }
+#if defined(SPECD_AVX512)
+      if (few) {
+        column_tiles<Op, FEW_R, FEW_C>(cols, rows, xs + r0 * ldx, ldx, wt, pairs, K, bias, n0, N, yt, yft);
+        continue;
+      }
+      // Groups as even as the count allows (13 rows: 7 + 6, not 12 + 1), each one tile of its
+      // height (rows_tile): every tile holds enough accumulators to keep the FMA units busy.
+      const int64_t groups = (rows + BLOCK_R - 1) / BLOCK_R;
+      for (int64_t g = 0, done = 0; g < groups; ++g) {
+        const int64_t height = (rows - done) / (groups - g);
+        column_tiles<Op, BLOCK_R, BLOCK_C>(cols, height, xs + (r0 + done) * ldx, ldx, wt, pairs, K, bias, n0, N,
+                                           yt ? yt + done * N : nullptr, yft ? yft + done * N : nullptr);
+        done += height;
+      }
+#else
       const int64_t full = rows - rows % BLOCK_R;
-      column_tiles<Op, BLOCK_R, BLOCK_C>(cols, full, x + r0 * K, K, wt, pairs, K, bias, n0, N, yt, yft);
+      column_tiles<Op, BLOCK_R, BLOCK_C>(cols, full, xs + r0 * ldx, ldx, wt, pairs, K, bias, n0, N, yt, yft);
       if (rows > full)
-        rest_tiles<Op>(REST[rows - full], cols, x + (r0 + full) * K, K, wt, pairs, K, bias, n0, N,
+        rest_tiles<Op>(REST[rows - full], cols, xs + (r0 + full) * ldx, ldx, wt, pairs, K, bias, n0, N,
                        yt ? yt + full * N : nullptr, yft ? yft + full * N : nullptr);
+#endif
     }
   });
 }
@@ -425,12 +444,64 @@ bool has_amx() { return false; }
 void matmul_amx(const bf16*, int64_t, int64_t, const bf16*, int64_t, const float*, bf16*, float*) {}
 #endif
 
+#if defined(SPECD_AVX512) && !defined(SPECD_EMULATE_AVX512)
+// SPECD_CPU_BF16_DOT=0 takes the FMA path on CPUs with AVX512-BF16 too, =1 its dot product
+// without the measurement below (tests cover both paths).
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && !switched_off("SPECD_CPU_BF16_DOT");
+  return yes;
+}
+#else
+bool has_avx512_bf16() { return false; }  // the bf16 dot product is the CPU's instruction, not emulated
+#endif
+
+// Seconds for `calls` verify-block tiles (BLOCK_R rows x BLOCK_C column blocks) of Op over a weight
+// of K inputs that stays in cache: the arithmetic alone.
+template <class Op>
+double tile_seconds(const bf16* w, const typename Op::XElem* x, int64_t K, float* y, int calls) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < calls; ++i)
+    tile<Op, BLOCK_R, BLOCK_C>(x, K, w, K / 2, K, nullptr, 0, BLOCK_C * LANES, nullptr, BLOCK_C * LANES, y);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// (vdpbf16ps, FMA) seconds of the measurement dot_products_pay() decided on; empty where none ran.
+std::vector<double>& dot_probe() {
+  static std::vector<double> seconds;
+  return seconds;
+}
+
+// Whether AVX512-BF16's vdpbf16ps computes a pair faster than two float32 FMAs on this CPU,
+// measured once per process (a few ms), the best of 7 interleaved rounds each. Its speed differs by
+// CPU: on the 2-core Xeon (family 6 model 207, KVM, no AMX) it retires one every 2 cycles against
+// 2 FMAs a cycle, and a tile of the FMA path takes 0.6-0.7x its time (a 9-row verify block's
+// matmuls 0.86x, 1 row the same: weights stream from memory); on the AMD EPYC (Zen 4) it is the
+// faster. FMAs only when clearly faster (10%), so a CPU where they tie keeps the dot product.
+bool dot_products_pay() {
+  static const bool yes = [] {
+    if (!has_avx512_bf16()) return false;
+    const char* forced = std::getenv("SPECD_CPU_BF16_DOT");
+    if (forced && std::strcmp(forced, "1") == 0) return true;
+    constexpr int64_t K = 512;
+    std::vector<bf16> w(BLOCK_C * LANES * K, bf16(0.01f)), xb(BLOCK_R * K, bf16(0.5f));
+    std::vector<float> xf(BLOCK_R * K, 0.5f), y(BLOCK_R * BLOCK_C * LANES);
+    double dot = 1e30, fma = 1e30;
+    for (int round = 0; round < 7; ++round) {
+      dot = std::min(dot, tile_seconds<Dot>(w.data(), xb.data(), K, y.data(), 50));
+      fma = std::min(fma, tile_seconds<Fma>(w.data(), xf.data(), K, y.data(), 50));
+    }
+    dot_probe() = {dot, fma};
+    return !(fma < 0.9 * dot);
+  }();
+  return yes;
+}
+
 // The path a weight with K inputs takes on this CPU: its bits are that path's (the header).
 enum class Path { Amx, Bf16Dot, Fma };
 
 Path path_for(int64_t K) {
   if (has_amx() && K % AMX_K == 0) return Path::Amx;
-  return has_avx512_bf16() ? Path::Bf16Dot : Path::Fma;
+  return dot_products_pay() ? Path::Bf16Dot : Path::Fma;
 }
 
 }  // namespace
@@ -488,12 +559,18 @@ std::string bf16_matmul_path(int64_t in_features) {
   }
 }
 
+std::vector<double> bf16_dot_probe() {
+  dot_products_pay();
+  return dot_probe();
+}
+
 }  // namespace specd_cpu
 
 TORCH_LIBRARY_FRAGMENT(specd_cpu, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, bool float_out=False) -> Tensor");
   m.def("bf16_matmul_path(int in_features) -> str", &specd_cpu::bf16_matmul_path);
+  m.def("bf16_dot_probe() -> float[]", &specd_cpu::bf16_dot_probe);
 }
 
 TORCH_LIBRARY_IMPL(specd_cpu, CPU, m) {

@@ -264,8 +264,11 @@ def _log_matmul_paths(model: CausalLM) -> None:
     if widths:
         names = {"amx": "AMX tiles", "avx512_bf16": "AVX512-BF16 (vdpbf16ps)", "fma": "float32 FMAs"}
         paths = sorted({names[torch.ops.specd_cpu.bf16_matmul_path(k)] for k in widths})
-        log.info("bf16 CPU matmul on %s (SPECD_CPU_AMX=0 or SPECD_CPU_BF16_DOT=0 turn the dot products off)",
-                 " and ".join(paths))
+        # (vdpbf16ps, FMA) seconds, where measured; older kernels (a baseline's in bench/verify_rows.py) lack it
+        probe = list(torch.ops.specd_cpu.bf16_dot_probe()) if hasattr(torch.ops.specd_cpu, "bf16_dot_probe") else []
+        measured = f"vdpbf16ps measured at {probe[0] / probe[1]:.2f}x the FMAs' time here; " if probe else ""
+        log.info("bf16 CPU matmul on %s (%sSPECD_CPU_AMX=0 or SPECD_CPU_BF16_DOT=0 turn the dot products off, "
+                 "SPECD_CPU_BF16_DOT=1 takes vdpbf16ps unmeasured)", " and ".join(paths), measured)
 
 
 # glibc's M_MMAP_THRESHOLD (malloc.h): buffers from this size up get mappings of their own.

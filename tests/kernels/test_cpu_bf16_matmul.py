@@ -2,6 +2,7 @@
 batch-invariant by construction: a row's bits do not depend on how many rows are computed with it, where it
 sits among them, or the thread count, on every instruction path the CPU has (AMX tiles, AVX512-BF16's
 vdpbf16ps, float32 FMAs)."""
+import ast
 import os
 import subprocess
 import sys
@@ -79,21 +80,36 @@ def test_the_path_taken_is_the_widest_the_cpu_has():
         assert ops.bf16_matmul_path(K) == expected_path(K), K
 
 
-@pytest.mark.parametrize("switch", ["SPECD_CPU_BF16_DOT", "SPECD_CPU_AMX"])
+def test_the_dot_product_is_measured_against_fmas_where_the_cpu_has_it():
+    """Unswitched, a CPU with AVX512-BF16 times its vdpbf16ps against two float32 FMAs once
+    (the instruction is the slower one on some CPUs); elsewhere nothing is measured."""
+    probe = list(ops.bf16_dot_probe())
+    measures = (cpu_ops.isa() == "avx512" and "avx512_bf16" in cpu_ops.cpu_flags()
+                and os.environ.get("SPECD_CPU_BF16_DOT") not in ("0", "1"))
+    assert len(probe) == (2 if measures else 0), probe
+    assert all(0 < t < 1 for t in probe), probe  # seconds of a few-millisecond measurement
+
+
+@pytest.mark.parametrize("switch", [("SPECD_CPU_BF16_DOT", "0"), ("SPECD_CPU_BF16_DOT", "1"), ("SPECD_CPU_AMX", "0")])
 def test_the_other_paths_are_invariant_too(switch):
-    """SPECD_CPU_BF16_DOT=0: the path of AVX-512 CPUs without AVX512-BF16 (float32 FMAs);
-    SPECD_CPU_AMX=0: that of AVX512-BF16 CPUs without AMX. Each in a fresh process."""
+    """SPECD_CPU_BF16_DOT=0: the path of AVX-512 CPUs without AVX512-BF16 (float32 FMAs); =1:
+    vdpbf16ps without measuring it; SPECD_CPU_AMX=0: that of AVX512-BF16 CPUs without AMX. Each in
+    a fresh process."""
+    name, value = switch
     code = ("import torch; from specd.kernels import cpu_ops; assert cpu_ops.available(); "
             "import tests.kernels.test_cpu_bf16_matmul as t; "
             "[f(*s) for s in t.SHAPES for f in (t.test_matches_float64_to_bf16_rounding, "
             "t.test_a_row_has_the_same_bits_in_any_block)]; "
-            "print(','.join(torch.ops.specd_cpu.bf16_matmul_path(K) for K, _ in t.SHAPES))")
+            "print(','.join(torch.ops.specd_cpu.bf16_matmul_path(K) for K, _ in t.SHAPES)); "
+            "print(list(torch.ops.specd_cpu.bf16_dot_probe()))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, name: value}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, switch: "0", "OMP_NUM_THREADS": "2",  # (tests/ for matmul_paths)
+                         env={**env, "OMP_NUM_THREADS": "2",  # (tests/ for matmul_paths)
                               "PYTHONPATH": os.pathsep.join([os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ",".join(expected_path(K, {**os.environ, switch: "0"}) for K, _ in SHAPES)
+    paths, probe = out.stdout.strip().splitlines()
+    assert paths == ",".join(expected_path(K, env, ast.literal_eval(probe) or None) for K, _ in SHAPES)
 
 
 def test_onednn_between_calls_does_not_disturb_the_tiles():
