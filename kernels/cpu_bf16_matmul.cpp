@@ -98,13 +98,14 @@ inline void widen_pairs(const bf16* w, V16& even, V16& odd) {
   odd.v = _mm512_castsi512_ps(_mm512_and_si512(v, high));
 }
 
-// Tiles (rows x column blocks) that fit 32 vector registers. 3-5 rows: one tile 4 blocks wide
-// (12-20 accumulators in flight). 6-12 rows (a verify block): one tile 2 blocks wide, so each
-// weight pair is loaded, and widened for Fma, once for all rows: the default target's forward
-// over 9 tokens took 1.49x the time of 1 token where 6 x 4 tiles (a 6-row pass from memory, then
-// 3 rows again from cache) on vdpbf16ps took 1.79x (2-core Xeon family 6 model 207, no AMX;
-// bench/results/verify_rows_xeon_noamx_fma.md). More rows: groups of up to 12.
-constexpr int DECODE_R = 2, DECODE_C = 8, FEW_R = 5, FEW_C = 4, BLOCK_R = 12, BLOCK_C = 2;
+// Tiles (rows x column blocks) that fit 32 vector registers. 3-6 rows: one tile 4 blocks wide
+// (12-24 accumulators in flight; a 6-token forward 0.92x the time it took on a 6 x 2 tile). 7-12
+// rows (a verify block): one tile 2 blocks wide, so each weight pair is loaded, and widened for
+// Fma, once for all rows: the default target's forward over 9 tokens took 1.50x the time of 1
+// token where 6 x 4 tiles (a 6-row pass from memory, then 3 rows again from cache) on vdpbf16ps
+// took 1.76x (2-core Xeon family 6 model 207, no AMX; bench/results/verify_rows_xeon_noamx_fma.md).
+// More rows: groups of up to 12.
+constexpr int DECODE_R = 2, DECODE_C = 8, FEW_R = 6, FEW_C = 4, BLOCK_R = 12, BLOCK_C = 2;
 #else  // AVX2 + FMA: the same pairs, as two 8-lane halves, and no bf16 dot product
 struct Dot {  // never taken: dot_products_pay() is false
   using XElem = bf16;
