@@ -288,7 +288,7 @@ void matmul(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const
         column_tiles<Op, FEW_R, FEW_C>(cols, rows, xs + r0 * ldx, ldx, wt, pairs, K, bias, n0, N, yt, yft);
         continue;
       }
-      // Groups as even as the count allows (13 rows: 7 + 6, not 12 + 1), each one tile of its
+      // Groups as even as the count allows (13 rows: 6 + 7, not 12 + 1), each one tile of its
       // height (rows_tile): every tile holds enough accumulators to keep the FMA units busy.
       const int64_t groups = (rows + BLOCK_R - 1) / BLOCK_R;
       for (int64_t g = 0, done = 0; g < groups; ++g) {
@@ -475,9 +475,10 @@ std::vector<double>& dot_probe() {
 // Whether AVX512-BF16's vdpbf16ps computes a pair faster than two float32 FMAs on this CPU,
 // measured once per process (a few ms), the best of 7 interleaved rounds each. Its speed differs by
 // CPU: on the 2-core Xeon (family 6 model 207, KVM, no AMX) it retires one every 2 cycles against
-// 2 FMAs a cycle, and a tile of the FMA path takes 0.6-0.7x its time (a 9-row verify block's
-// matmuls 0.86x, 1 row the same: weights stream from memory); on the AMD EPYC (Zen 4) it is the
-// faster. FMAs only when clearly faster (10%), so a CPU where they tie keeps the dot product.
+// 2 FMAs a cycle, and a tile of the FMA path takes 0.6-0.7x its time (the default target's matmuls
+// at 9 rows 0.80-0.86x, at 1 row the same: weights stream from memory). On the AMD EPYC (Zen 4)
+// its 9-row matmuls took only 1.21x of 1 row (bench/results/cpu_matmul.md; not timed against FMAs
+// there). FMAs only when clearly faster (10%), so a CPU where they tie keeps the dot product.
 bool dot_products_pay() {
   static const bool yes = [] {
     if (!has_avx512_bf16()) return false;
