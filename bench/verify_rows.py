@@ -1,5 +1,5 @@
 """What a verify block costs on this CPU: the default target's forward over T = 1..9 query tokens of
-one sequence (bf16, 128 tokens of context), in ms and as a multiple of the 1-token step: the curve
+one sequence (bf16, 128 tokens of context or --context), in ms and as a multiple of the 1-token step: the curve
 the speculation controller prices k by (specd/engine/spec_costs.py learns it live).
 
 With --baseline DIR, a checkout of another commit (`git worktree add /tmp/base HEAD~1`), the same
@@ -8,6 +8,7 @@ this tree's), in processes alternating with this tree's, side by side in one run
 
     python bench/verify_rows.py --threads 2 [--baseline /tmp/base] [--out bench/results/verify_rows_avx2]
     python bench/verify_rows.py --threads 2 --rows 1,16,32,33,48,64   # larger blocks (trees, batches)
+    python bench/verify_rows.py --threads 2 --context 1024   # a long answer or prompt: attention's share grows
 """
 from __future__ import annotations
 
@@ -62,9 +63,9 @@ def worker(args) -> None:
     if args.build_only:
         return
     rows = parse_rows(args.rows)
-    engine = LLM(args.model, dtype=args.dtype, max_model_len=512).engine
+    engine = LLM(args.model, dtype=args.dtype, max_model_len=max(512, args.context + 64)).engine
     rng = random.Random(1)
-    prompt = [rng.randrange(3, 49000) for _ in range(128)]
+    prompt = [rng.randrange(3, 49000) for _ in range(args.context)]
     sid = engine.add_request(prompt, SamplingParams(max_tokens=max(rows) + 2, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill + first token
     seq = engine.sequences[sid]
@@ -85,7 +86,7 @@ def worker(args) -> None:
 
 def run_worker(args, side: str, cache: Path, build_only: bool = False) -> dict[int, float]:
     cmd = [sys.executable, __file__, "--worker", "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
-           "--iters", str(args.iters), "--rows", args.rows]
+           "--iters", str(args.iters), "--rows", args.rows, "--context", str(args.context)]
     if side == "baseline":
         cmd += ["--kernels-of", str(args.baseline), "--kernels-cache", str(cache)]
     if build_only:
@@ -105,7 +106,7 @@ def render(r: dict) -> str:
     sides = r["settings"]["sides"]
     head = "| T (query tokens) | " + " | ".join(f"{s} ms | {s} / T=1" for s in sides) + " |"
     lines = ["# A verify block's forward on this CPU (bench/verify_rows.py)", "",
-             f"{r['settings']['model']} ({r['machine']['dtype']}), one sequence of 128 tokens of context, "
+             f"{r['settings']['model']} ({r['machine']['dtype']}), one sequence of {r['settings'].get('context', 128)} tokens of context, "
              f"forward over T query tokens; median of {r['settings']['iters']} per process, then the median "
              f"of {r['settings']['rounds']} processes per side, sides alternating (ABBA).",
              "" if len(sides) == 1 else f"baseline: the CPU kernels of {r['settings']['baseline']}.", "",
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", type=Path, default=None, help="a checkout whose CPU kernels to compare")
     p.add_argument("--model", default=None, help="default: the fetched default target")
     p.add_argument("--dtype", default="bfloat16", help="auto serves a .gguf in its own quantized types")
+    p.add_argument("--context", type=int, default=128, help="tokens of the sequence before the block")
     p.add_argument("--rows", default=ROWS, help="query token counts T: a range a-b or a list (default 1-9)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", action="store_true")
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
                 runs[side].append(run_worker(args, side, Path(cache)))
                 print(side, {T: round(ms, 2) for T, ms in runs[side][-1].items()}, file=sys.stderr)
     rows = [{"T": T, **{side: statistics.median(run[T] for run in runs[side]) for side in sides}} for T in parse_rows(args.rows)]
-    settings = {"model": Path(args.model).name, "sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
+    settings = {"model": Path(args.model).name, "context": args.context, "sides": sides, "baseline": describe(args.baseline) if args.baseline else None, "rounds": args.rounds,
                 "iters": args.iters, "runs": {side: runs[side] for side in sides}}
     out = args.out or Path(tempfile.gettempdir()) / "verify_rows"
     write_result(out, "bench/verify_rows.py", argv, info, settings, rows, t0, render)

@@ -45,6 +45,8 @@ inline V16 zero() { return {_mm512_setzero_ps()}; }
 inline V16 set1(float a) { return {_mm512_set1_ps(a)}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 #if defined(SPECD_EMULATE_AVX512)
@@ -82,6 +84,26 @@ inline V16 load_bf16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpre
 inline V16 load_bf16_first(const bf16* p, int64_t n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
 inline float reduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
 #endif
+// Lane k = reduce_add(p[k]), for 16 vectors at once: the same pairs added in the same tree (halves,
+// quarters, then (0 + 2) + (1 + 3)), with the vectors' lanes transposed as they are summed, so a
+// score costs a share of 15 adds instead of a whole horizontal reduction. Fed in the order below,
+// the tree leaves vector 4c + m in lane 4c + m.
+inline V16 reduce_add16(const V16* p) {
+  auto in = [p](int i) { return p[4 * (i % 4) + i / 4].v; };
+  __m512 s[8], u[4];
+  for (int k = 0; k < 8; ++k)  // lanes 0-7: vector 2k's i + (i + 8); lanes 8-15: vector 2k + 1's
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(in(2 * k), in(2 * k + 1), 0x44),
+                         _mm512_shuffle_f32x4(in(2 * k), in(2 * k + 1), 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit chunk c: vector 4k + c's quarters i + (i + 4)
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return {_mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)))};
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr const char* ISA = "avx2";
 struct V16 {
@@ -91,6 +113,8 @@ inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline V16 load_first(const float* p, int64_t n) {  // lanes n.. are zero; nothing past p + n is read
   alignas(32) float t[LANES] = {};
@@ -123,6 +147,23 @@ inline float reduce_add(V16 a) {  // (lo + hi), then halves: a fixed tree
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+// Lane k = reduce_add(p[k]) for 16 vectors at once, the same tree with the lanes transposed as they
+// are summed (see the AVX-512 one); fed in the order below, 8 vectors land in order in 8 lanes.
+inline __m256 reduce_add8(const V16* p) {
+  auto in = [p](int i) { return p[4 * (i % 2) + i / 2]; };
+  __m256 s[8], u[4];
+  for (int k = 0; k < 8; ++k) s[k] = _mm256_add_ps(in(k).lo, in(k).hi);
+  for (int k = 0; k < 4; ++k)  // 128-bit half c: vector 2k + c's quarters i + (i + 4)
+    u[k] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x20),
+                         _mm256_permute2f128_ps(s[2 * k], s[2 * k + 1], 0x31));
+  const __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline V16 reduce_add16(const V16* p) { return {reduce_add8(p), reduce_add8(p + 8)}; }
 #else
 #error "the fused CPU ops need AVX-512 (f, bw, vl) or AVX2 with FMA"
 #endif

@@ -98,6 +98,37 @@ def test_paged_attention_matches_reference_and_is_row_invariant(D):
         assert torch.equal(alone, out[t:t + 1])
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_verify_blocks_read_shared_keys_with_each_tokens_own_bits(D):
+    """Rows of a sequence's verify block share each key load (tiles of up to 12 rows of a KV head, split
+    by the thread count): each token's output must still be the bits of that token decoded alone,
+    whatever the tiling, and near the float64 reference over hundreds of keys."""
+    g, k_cache, v_cache = paged_setup(seed=5, blocks=48, bs=16, hkv=3, D=D)
+    H = 9  # 3 query heads per KV head, as the default target: a 9-token block is 27 rows per KV head
+    tables = torch.randperm(48, generator=g)[:45].view(3, 15)
+    seq = torch.tensor([0] * 9 + [1] + [2] * 5)  # a 9-token block, a decode token, a 5-token block
+    pos = torch.tensor(list(range(200, 209)) + [40] + list(range(60, 65)))
+    q = (torch.randn(len(seq), H, D, generator=g) * 3).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(ops.paged_attention(q, k_cache, v_cache, tables, seq, pos, None, D ** -0.5, 0))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    flat_k, flat_v = k_cache.view(-1, 3, D), v_cache.view(-1, 3, D)
+    for t in range(len(seq)):
+        alone = ops.paged_attention(q[t:t + 1], k_cache, v_cache, tables[seq[t]:seq[t] + 1], torch.tensor([0]),
+                                    pos[t:t + 1], None, D ** -0.5, 0)
+        assert torch.equal(alone, outs[0][t:t + 1]), t
+        keys = torch.arange(pos[t] + 1)
+        rows = tables[seq[t], keys // 16] * 16 + keys % 16
+        ref = reference_attention(q[t].float(), flat_k[rows], flat_v[rows], D ** -0.5)
+        assert (outs[0][t].double() - ref).abs().max() < 2e-2
+
+
 def test_sliding_window_and_tree_rows():
     g, k_cache, v_cache = paged_setup(seed=4)
     D, bs = 64, 4
