@@ -1,6 +1,7 @@
 """Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu;
-paged attention in cpu_paged_attention.cpp), with the bf16 and GGUF-quantized matmuls (cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp) and the sampler's
-passes over float32 vocabulary rows (cpu_sampling_ops.cpp).
+paged attention in cpu_paged_attention.cpp), with the bf16 and GGUF-quantized matmuls
+(cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp) and the sampler's passes over float32 vocabulary rows
+(cpu_sampling_ops.cpp).
 
 Compiled once per machine with the C++ compiler torch's extension loader finds, into
 $SPECD_CACHE/torch_extensions/<torch version>-<ISA>, with a stamp of what it was built from

@@ -219,17 +219,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Tiles: (run, KV head, first row, rows), a run's rows of a KV head ordered token by token. Smaller
   // tiles where there would be too few for the threads (a decode step of one sequence: 3 x 3 rows).
   const int64_t runs = static_cast<int64_t>(run_start.size()) - 1, threads = at::get_num_threads();
-  int64_t tile = std::min<int64_t>(TILE_ROWS, group * (run_start[1] - run_start[0]));
+  auto run_rows = [&](int64_t u) { return group * (run_start[u + 1] - run_start[u]); };
   auto count = [&](int64_t size) {
     int64_t c = 0;
-    for (int64_t u = 0; u < runs; ++u) c += hkv * ((group * (run_start[u + 1] - run_start[u]) + size - 1) / size);
+    for (int64_t u = 0; u < runs; ++u) c += hkv * ((run_rows(u) + size - 1) / size);
     return c;
   };
-  for (int64_t u = 1; u < runs; ++u) tile = std::max(tile, std::min<int64_t>(TILE_ROWS, group * (run_start[u + 1] - run_start[u])));
+  int64_t tile = 1;
+  for (int64_t u = 0; u < runs; ++u) tile = std::max(tile, std::min(TILE_ROWS, run_rows(u)));
   while (tile > 1 && count(tile) < 2 * threads) --tile;
   std::vector<std::array<int64_t, 4>> tiles;
   for (int64_t u = 0; u < runs; ++u) {
-    const int64_t rows = group * (run_start[u + 1] - run_start[u]), parts = (rows + tile - 1) / tile;
+    const int64_t rows = run_rows(u), parts = (rows + tile - 1) / tile;
     for (int64_t g = 0; g < hkv; ++g)
       for (int64_t p = 0; p < parts; ++p)  // sizes differ by at most one
         tiles.push_back({u, g, p * rows / parts, (p + 1) * rows / parts - p * rows / parts});
