@@ -8,7 +8,7 @@ fresh cache, so every run does the whole shard. Reported: generated tokens (ques
 per second of wall time, and whether the shard came out identical at every batch size (it must:
 the data may not depend on how it was made).
 
-Writes bench/results/drafter_data.{md,json}.
+Writes bench/results/drafter_data.{md,json} (--out: another name).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="64,128,256")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--out", type=Path, default=RESULTS / "drafter_data")
     args = p.parse_args(argv)
     import torch
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
                      "self_asked": shard["kinds"].count("self_asked"), "conversations": len(ids),
                      "identical_to_first": ids == first})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    write_result(RESULTS / "drafter_data", "bench/drafter_data.py", argv, info, vars(args), rows, t0, render)
+    write_result(args.out, "bench/drafter_data.py", argv, info, vars(args) | {"out": str(args.out)}, rows, t0, render)
     return 0
 
 
