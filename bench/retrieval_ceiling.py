@@ -15,7 +15,15 @@ served run can only be slower. Configurations:
                  (SuffixDecoding's speculation trees); its rows are priced as a chain's of as many
                  tokens, which tree attention does not beat on this CPU;
   oracle tree B  the tree's accepted path only;
+  datastore tree B      the request's own drafts as chains (k 8), the datastore's as trees of B nodes;
+  + A alternatives      the request's own drafts as chains, the datastore's chain (k 8) with up to A
+                        other first tokens beside its first (each at least MIN_PROB of the occurrences),
+                        as leaves of a tree;
   datastore 1/N  chain k 8 with the datastore cut to its first 1/N answers (what more answers would give).
+Under sampling (T --temperature, seeded answers made by the engine), a one-hot draft's first token is
+accepted with the target's probability of it; for the positions where the index drafts from the datastore,
+the mean of that probability for the chain's first token alone and with 1 and 2 alternatives beside it
+(the target's probabilities from transformers' forward over each answer, bf16).
 Then what a model drafter would have to accept to reach --goal: the smallest per-token acceptance a
 (geometric: draft j accepted with probability a where the j - 1 before it were) at which some k gives
 E(a, k) / (V(1 + k) / V(1) + f) >= goal, f the drafter's cost for its whole k-token draft as a share
@@ -86,14 +94,15 @@ class Index:
         self.own.extend(prompt)
 
     def draft(self):
-        """-> (chain of up to K, the token sequence its match is in, the match's end positions)."""
+        """-> (chain of up to K, the token sequence its match is in, the match's end positions, whether
+        the request's own text drafted it)."""
         text = self.own.tokens
         chain, _, m = self.own.speculate(K, 1.0, MIN_PROB)
         if chain:
             suffix = text[len(text) - m:]
-            return chain, text, [e for e in range(m - 1, len(text) - 1) if text[e - m + 1:e + 1] == suffix]
+            return chain, text, [e for e in range(m - 1, len(text) - 1) if text[e - m + 1:e + 1] == suffix], True
         chain, _, m = self.store.speculate(text, K, 1.0, MIN_PROB)
-        return chain, self.store._fwd_list, (store_ends(self.store, text, m) if chain else [])
+        return chain, self.store._fwd_list, (store_ends(self.store, text, m) if chain else []), False
 
 
 def store_ends(store, text: list[int], m: int) -> list[int]:
@@ -114,6 +123,22 @@ def store_ends(store, text: list[int], m: int) -> list[int]:
     return ends.tolist()
 
 
+def next_tokens(text, ends: list[int]) -> dict[int, list[int]]:
+    """The tokens that follow the occurrences ending at `ends`, each with where it is."""
+    groups: dict[int, list[int]] = {}
+    for e in ends:
+        if e + 1 < len(text) and text[e + 1] != SEP:
+            groups.setdefault(text[e + 1], []).append(e + 1)
+    return groups
+
+
+def alternatives(text, ends: list[int], first: int, count: int) -> list[int]:
+    """Up to `count` first tokens other than `first`, most frequent first, each following at least
+    MIN_PROB of the occurrences."""
+    ranked = sorted(next_tokens(text, ends).items(), key=lambda kv: -len(kv[1]))
+    return [tok for tok, at in ranked if tok != first and len(at) >= MIN_PROB * len(ends)][:count]
+
+
 def tree(text, ends: list[int], budget: int) -> list[tuple[int, int]]:
     """Up to `budget` (token, parent) nodes, best first by the share of occurrences on their path (at
     least MIN_PROB, at most K deep), parents before children."""
@@ -123,11 +148,7 @@ def tree(text, ends: list[int], budget: int) -> list[tuple[int, int]]:
         nonlocal tie
         if depth >= K:
             return
-        groups: dict[int, list[int]] = {}
-        for e in ends:
-            if e + 1 < len(text) and text[e + 1] != SEP:
-                groups.setdefault(text[e + 1], []).append(e + 1)
-        for tok, nxt in groups.items():
+        for tok, nxt in next_tokens(text, ends).items():
             p = prob * len(nxt) / len(ends)
             if p >= MIN_PROB:
                 heapq.heappush(heap, (-p, tie, tok, parent, nxt, depth + 1))
@@ -161,9 +182,14 @@ def replay(store, pairs, mode: str, budget: int = K) -> dict:
         index = Index(store, text[:at])
         while at < len(text):
             future = text[at:]
-            chain, source, ends = index.draft()
-            if mode.startswith("chain") or not chain:
-                chain = chain[:budget]
+            chain, source, ends, own = index.draft()
+            if chain and mode == "alternatives" and not own:
+                chain = chain[:K]
+                nodes = [(tok, i - 1) for i, tok in enumerate(chain)]
+                nodes += [(tok, -1) for tok in alternatives(source, ends, chain[0], budget)]
+                n, verified = accepted_in_tree(nodes, future), len(nodes)
+            elif mode.startswith("chain") or not chain or own and mode in ("datastore tree", "alternatives"):
+                chain = chain[:budget if mode.startswith("chain") else K]
                 n = next((i for i, (d, t) in enumerate(zip(chain, future)) if d != t), min(len(chain), len(future)))
                 verified = n if mode == "chain oracle" else len(chain)
             else:
@@ -177,6 +203,48 @@ def replay(store, pairs, mode: str, budget: int = K) -> dict:
             at += n + 1
     return {"steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps, "rows_per_step": rows / steps,
             "sizes": sizes}
+
+
+def sampled_first_position(store, threads: int, prompts: int, max_tokens: int, temperature: float) -> dict:
+    """Per workload, over the positions of seeded sampled answers where the index drafts from the datastore:
+    the mean target probability (at `temperature`) of the chain's first token, alone and with 1 and 2
+    alternatives beside it (module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specd.llm import LLM
+    from specd.models import model_store
+    from specd.models.chat import chat_prompt_ids
+    from specd.sampling import SamplingParams
+    from specd_train.workloads import WORKLOADS, workload
+
+    torch.set_num_threads(threads)
+    target = model_store.default_target()
+    llm = LLM(target, dtype="bfloat16", max_num_seqs=prompts, max_model_len=2048)
+    asked = {name: [chat_prompt_ids(llm.tokenizer, m) for m in workload(name, prompts)] for name in WORKLOADS}
+    made = {name: llm.generate(ids, [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i,
+                                                    ignore_eos=True) for i in range(len(ids))])
+            for name, ids in asked.items()}
+    del llm
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+    out = {}
+    for name, ids in asked.items():
+        sums, positions = [0.0, 0.0, 0.0], 0
+        for prompt, answer in zip(ids, made[name]):
+            text = prompt + list(answer.token_ids)
+            with torch.no_grad():
+                probs = torch.softmax(model(torch.tensor([text])).logits[0].float() / temperature, -1)
+            index = Index(store, text[:len(prompt) + 1])
+            for at in range(len(prompt) + 1, len(text)):
+                chain, source, ends, own = index.draft()
+                if chain and not own:
+                    row, positions = probs[at - 1], positions + 1
+                    firsts = [chain[0], *alternatives(source, ends, chain[0], 2)]
+                    for a in range(3):
+                        sums[a] += sum(row[t].item() for t in firsts[:a + 1])
+                index.own.extend(text[at:at + 1])
+        out[name] = {"positions": positions, "first": [x / max(positions, 1) for x in sums]}
+    return out
 
 
 def needed_alpha(curve: dict[int, float], goal: float, draft_cost: float) -> tuple[float, int] | None:
@@ -196,6 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=256, help="tokens before the verify block when timing V(T)")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
     p.add_argument("--goal", type=float, default=1.5)
     p.add_argument("--draft-cost", type=float, default=0.05)
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_ceiling"))
@@ -215,6 +284,8 @@ def main(argv=None) -> int:
         flat, lengths = z["tokens"], z["lengths"]
     configs = [(f"chain k {k}", "chain", k) for k in (1, 2, 4, 8)] + [("oracle chain", "chain oracle", K)]
     configs += [(f"tree {b}", "tree", b) for b in TREES] + [(f"oracle tree {max(TREES)}", "tree oracle", max(TREES))]
+    configs += [("datastore tree 3", "datastore tree", 3), ("+ 1 alternative", "alternatives", 1),
+                ("+ 2 alternatives", "alternatives", 2)]
     rows = []
     for name, pairs in replies.items():
         for label, mode, budget in configs:
@@ -224,7 +295,8 @@ def main(argv=None) -> int:
             cut = Datastore(flat[: int(lengths[:n].sum())], lengths[:n], 24)
             rows.append({"workload": name, "config": f"datastore 1/{part}", **priced(replay(cut, pairs, "chain"), curve)})
         print(name, [(r["config"], round(r["ceiling"], 3)) for r in rows if r["workload"] == name], file=sys.stderr)
-    settings = {"prompts": args.prompts, "max_tokens": args.max_tokens, "context": args.context, "k": K,
+    sampled = sampled_first_position(store, args.threads, args.prompts, args.max_tokens, args.temperature)
+    settings = {"prompts": args.prompts, "temperature": args.temperature, "sampled_first_position": sampled, "max_tokens": args.max_tokens, "context": args.context, "k": K,
                 "min_token_prob": MIN_PROB, "datastore": str(path), "datastore_answers": int(len(lengths)),
                 "curve": curve, "goal": args.goal, "draft_cost": args.draft_cost,
                 "needed_alpha": needed_alpha(curve, args.goal, args.draft_cost)}
@@ -250,6 +322,12 @@ def render(r: dict) -> str:
     for row in r["rows"]:
         lines.append(f"| {row['workload']} | {row['config']} | {row['tokens_per_step']:.3f} | "
                      f"{row['rows_per_step']:.2f} | {row['ceiling']:.3f}x |")
+    lines += ["", f"Sampled at T {s['temperature']} (seeded answers), where the index drafts from the datastore: the "
+              "target's probability of the draft's first token (what a one-hot draft is accepted with), alone and "
+              "with 1 and 2 alternatives beside it:", "",
+              "| workload | positions | first token alone | + 1 alternative | + 2 alternatives |", "|---|---:|---:|---:|---:|"]
+    for name, x in s["sampled_first_position"].items():
+        lines.append(f"| {name} | {x['positions']:,} | " + " | ".join(f"{v:.3f}" for v in x["first"]) + " |")
     need = s["needed_alpha"]
     lines += ["", f"A model drafter costing {s['draft_cost']:.2f} of a target step for its whole draft reaches "
               f"{s['goal']}x at this V only with a per-token acceptance of at least "
