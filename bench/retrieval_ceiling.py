@@ -13,7 +13,7 @@ served run can only be slower. Configurations:
                  of k over this index's drafts can make (every accepted token, no rejected row);
   tree B         a tree of B nodes from the same match, best first by the path's share of occurrences
                  (SuffixDecoding's speculation trees); its rows are priced as a chain's of as many
-                 tokens, which tree attention does not beat on this CPU;
+                 tokens (a tree's may cost a little more: the CPU attention tiles chains only);
   oracle tree B  the tree's accepted path only;
   datastore tree B      the request's own drafts as chains (k 8), the datastore's as trees of B nodes;
   + A alternatives      the request's own drafts as chains, the datastore's chain (k 8) with up to A
@@ -43,11 +43,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_info, machine_line, write_result  # noqa: E402
 
+from specd.proposers.datastore import SEP  # noqa: E402  (between the datastore's answers)
+
 K = 8  # the verifier's index drafts up to this many (services/verifier/main.py LOCAL_DRAFTER_K)
 MIN_PROB = 0.1  # the index's suffix_decoding_min_token_prob (its default)
 TREES = (4, 8, 16)
 FRACTIONS = (8, 4, 2)
-SEP = 0xFFFFFFFF  # the datastore's separator (specd/proposers/datastore.py)
 
 
 def verify_curve(threads: int, context: int, rows: int) -> dict[int, float]:
