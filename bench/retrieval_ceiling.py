@@ -174,7 +174,8 @@ def accepted_in_tree(nodes: list[tuple[int, int]], future: list[int]) -> int:
 
 
 def replay(store, pairs, mode: str, budget: int = K) -> dict:
-    """Tokens and rows a step over every answer, and the steps' verify cost in V(1) units (cost())."""
+    """Steps, tokens and rows a step over every answer in configuration `mode` (the module docstring),
+    and each step's forward size (1 + rows verified), which priced() turns into V(1) units."""
     steps = tokens = rows = 0
     sizes = []
     for prompt, answer in pairs:
@@ -184,12 +185,13 @@ def replay(store, pairs, mode: str, budget: int = K) -> dict:
         while at < len(text):
             future = text[at:]
             chain, source, ends, own = index.draft()
+            # the datastore-only configurations keep the request's own drafts as chains of up to K
+            datastore_only = mode in ("datastore tree", "alternatives")
             if chain and mode == "alternatives" and not own:
-                chain = chain[:K]
                 nodes = [(tok, i - 1) for i, tok in enumerate(chain)]
                 nodes += [(tok, -1) for tok in alternatives(source, ends, chain[0], budget)]
                 n, verified = accepted_in_tree(nodes, future), len(nodes)
-            elif mode.startswith("chain") or not chain or own and mode in ("datastore tree", "alternatives"):
+            elif not chain or mode.startswith("chain") or (own and datastore_only):
                 chain = chain[:budget if mode.startswith("chain") else K]
                 n = next((i for i, (d, t) in enumerate(zip(chain, future)) if d != t), min(len(chain), len(future)))
                 verified = n if mode == "chain oracle" else len(chain)
