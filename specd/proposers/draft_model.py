@@ -9,7 +9,7 @@ costs no extra forward).
 
 Greedy drafts ship only ids (q is one-hot). Sampled drafts come from the drafter's
 top-k truncated, renormalised distribution at the request's temperature, and that
-sparse q ships with them so the verifier can accept exactly.
+sparse q ships with them so the verifier can accept exactly (draft_sampling.py).
 
 Token trees (tree_branching [b1, b2, ..]): one forward per depth, as for a chain. The
 catch-up forward gives the root's b1 children (its top-b1 tokens, or b1 draws without
@@ -33,26 +33,25 @@ outscores its parent, so that set holds every proposed node's ancestors.
 from __future__ import annotations
 
 import json
-import secrets
 from itertools import accumulate
 
 import torch
 
 from specd.proposers.base import Proposal, ProposeRequest
 from specd.proposers.draft_grammar import DraftGrammars
+from specd.proposers.draft_sampling import SampledDrafts
 from specd.proposers.pipeline import record_alternatives
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_checkpoint, open_checkpoint
 from specd.engine.model_runner import ModelRunner
 from specd.engine.scheduler import ScheduledSeq
-from specd.engine.sampler import draft_seed
 from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-class DraftModelProposer:
+class DraftModelProposer(SampledDrafts):
     def __init__(self, model: str, *, dtype: str = "auto", device: str | torch.device = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  sample_method: str = "greedy", top_k: int = 16, seed: int | None = None,
@@ -72,13 +71,9 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True,
                                    salt=self.model.fingerprint.encode())
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
-        self.sample_method, self.top_k = sample_method, top_k
+        self._init_sampling(sample_method, top_k, seed)
         self.tree_branching, self.tree_max_nodes = (list(tree_branching) if tree_branching else None), tree_max_nodes
         self.tree_dynamic = bool(tree_branching) and tree_dynamic
-        # Unseeded requests draw from this stream: random per process unless a seed is given (the
-        # offline engine passes one derived from its own, never equal to it).
-        self.generator = torch.Generator(device=self.device).manual_seed(
-            secrets.randbits(63) if seed is None else seed)
         self.seqs: dict[int, Sequence] = {}
         # chains mask their drafts with a constrained request's grammar (trees draft unmasked)
         self.grammar = DraftGrammars(ckpt.dir, self.arch.vocab_size, self.arch.eos_token_ids,
@@ -192,7 +187,7 @@ class DraftModelProposer:
         """The next draft of a chain from its (grammar-masked) logits row: the argmax, or a draw
         with its sparse q; appended to the proposal and pushed to the sequence's grammar."""
         if self._sampled(req):
-            token, ids, probs = self._sample_sparse(length, row, req)
+            token, ids, probs = self._sample_sparse(row, req, length)
             prop.q_ids.append(ids)
             prop.q_probs.append(probs)
         else:
@@ -207,7 +202,8 @@ class DraftModelProposer:
         # Per sequence: the committed length (the tree's base) and the nodes of the newest depth.
         base = {s.seq_id: len(s) for s, _ in active}
         frontier = {s.seq_id: [-1] for s, _ in active}  # -1: the root (the catch-up's last row)
-        gens = {s.seq_id: self._tree_generator(s, r) for s, r in active if self._sampled(r)}
+        # one stream per sequence and step, drawn in the tree's own order: batch-independent
+        gens = {s.seq_id: self._draft_generator(r, len(s)) for s, r in active if self._sampled(r)}
         for depth, width in enumerate(self.tree_branching):
             live, logits = self._tree_depth(active, depth, base, frontier,
                                             {s.seq_id: out[s.seq_id].parents for s, _ in active})
@@ -303,28 +299,8 @@ class DraftModelProposer:
             probs = probs.masked_fill(ids == q_ids[choice], 0.0)
         return out
 
-    def _tree_generator(self, seq: Sequence, req: ProposeRequest) -> torch.Generator:
-        # One stream per sequence and step, drawn in the tree's own order: batch-independent.
-        if req.seed is None:
-            return self.generator
-        return torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, len(seq)))
-
     def _room(self, seq: Sequence) -> bool:
         return self.blocks.allocate(seq, len(seq), self.blocks.match_prefix(seq))
-
-    def _sampled(self, req: ProposeRequest) -> bool:
-        return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
-
-    def _sample_sparse(self, length: int, logits: torch.Tensor, req: ProposeRequest):
-        """A draft following `length` tokens (committed + drafts before it)."""
-        top = (logits.float() / req.temperature).topk(min(self.top_k, logits.shape[-1]))
-        probs = top.values.softmax(-1)
-        # A seeded request draws from (seed, position), so its drafts (and therefore its final
-        # tokens) depend neither on the other sequences in the batch nor on resyncs.
-        gen = self.generator if req.seed is None else \
-            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, length))
-        choice = int(torch.multinomial(probs, 1, generator=gen))
-        return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
 
     def _sync(self, req: ProposeRequest) -> Sequence | None:
         """Apply the committed delta; None when out of sync (the caller resends the history)."""

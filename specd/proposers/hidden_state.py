@@ -13,20 +13,19 @@ whose rows start past what is held is answered resync with history_held.
 
 Greedy drafts ship ids only (q one-hot). Sampled drafts come from the head's top-k truncated,
 renormalised distribution at the request's temperature, seeded by (request seed, position)
-like draft_model's, and ship that sparse q.
+like draft_model's (draft_sampling.py), and ship that sparse q.
 """
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 from specd.engine.linear import adopt_linears, fast_linear
 from specd.engine.loader import default_device, resolve_dtype
-from specd.engine.sampler import draft_seed
 from specd.proposers.base import Proposal, ProposeRequest, feature_rows
 from specd.proposers.draft_grammar import DraftGrammars
+from specd.proposers.draft_sampling import SampledDrafts
 from specd.proposers.pipeline import record_alternatives
 from specd.proposers.heads.checkpoint import load_target_pieces, read_config, read_tensors, resolve_head_dir
 from specd.proposers.heads.prefix_cache import BLOCK, HeadPrefixCache
@@ -45,7 +44,7 @@ class _State:
     extra: dict = field(default_factory=dict)
 
 
-class HiddenStateProposer:
+class HiddenStateProposer(SampledDrafts):
     def __init__(self, method: str, model: str, target: str, *, num_speculative_tokens: int = 4,
                  dtype: str = "auto", device: str | torch.device = "auto", sample_method: str = "greedy",
                  top_k: int = 16, seed: int | None = None, mask_structured: bool = True,
@@ -96,9 +95,7 @@ class HiddenStateProposer:
         self.max_k = min(num_speculative_tokens, getattr(self.head, "max_k", num_speculative_tokens))
         self.one_forward = method == "medusa"  # every head reads the same row: a call's cost is flat in k
         self.max_positions = getattr(self.head, "max_positions", pieces.arch.max_position_embeddings)
-        self.sample_method, self.top_k = sample_method, top_k
-        self.generator = torch.Generator(device=self.device).manual_seed(
-            secrets.randbits(63) if seed is None else seed)
+        self._init_sampling(sample_method, top_k, seed)
         self.seqs: dict[int, _State] = {}
         self.grammar = DraftGrammars(pieces.dir, pieces.arch.vocab_size, pieces.arch.eos_token_ids,
                                      enabled=mask_structured)
@@ -303,18 +300,6 @@ class HiddenStateProposer:
             if req.alternatives and rows:
                 prop.draft_features = torch.stack(rows)
         return props
-
-    def _sampled(self, req: ProposeRequest) -> bool:
-        return self.sample_method == "sampled" and (req.temperature or 0.0) > 0
-
-    def _sample_sparse(self, logits: torch.Tensor, req: ProposeRequest, position: int):
-        top = (logits / req.temperature).topk(min(self.top_k, logits.shape[-1]))
-        probs = top.values.softmax(-1)
-        # Seeded by (seed, position), as draft_model: independent of the batch and of resyncs.
-        gen = self.generator if req.seed is None else \
-            torch.Generator(device=self.device).manual_seed(draft_seed(req.seed, position))
-        choice = int(torch.multinomial(probs, 1, generator=gen))
-        return int(top.indices[choice]), top.indices.tolist(), probs.tolist()
 
 
 def _register() -> None:
