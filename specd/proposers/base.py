@@ -1,5 +1,6 @@
 """The proposers' registry (PROPOSERS, @register) and what several proposers share: token
-histories per sequence with resync detection and TTL release, feature-row counts. The contract
+histories per sequence with resync detection and TTL release, the index drafters' propose()
+loop (IndexDrafter), feature-row counts. The contract
 they implement (ProposeRequest, Proposal, Proposer) is specd/engine/proposal.py, with its caller.
 """
 from __future__ import annotations
@@ -72,3 +73,45 @@ def release_expired(proposer, histories: TokenHistories, now: float | None = Non
     if expired:
         proposer.release(expired)
     return expired
+
+
+class IndexDrafter:
+    """What the index drafters (ngram, suffix) share: a committed history per sequence
+    (self.histories), a request's k capped at self.k, and propose()'s loop. Each call first
+    releases the sequences past their TTL; a request out of sync has its state dropped
+    (_forget) and is answered resync; every other one is drafted by _propose_one."""
+
+    answers_inline = True  # an index lookup in microseconds: a drafter service calls it on its event loop
+    k: int  # the most drafts per step (a request's k is capped by it)
+    histories: TokenHistories
+
+    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
+        self.release_expired()
+        out = []
+        for req in batch:
+            held = self.histories.tokens.get(req.seq_id)
+            tokens = self.histories.sync(req)
+            if tokens is None:
+                self._forget(req.seq_id)  # out of sync: rebuilt from the full history
+                out.append(Proposal(req.seq_id, [], resync=True))
+                continue
+            # first contact, or a committed history rolled back / replaced: the index starts over
+            rebuild = req.full_history and not _extends(tokens, held)
+            out.append(self._propose_one(req, tokens, rebuild, min(req.k, self.k)))
+        return out
+
+    def release_expired(self, now: float | None = None) -> list[int]:
+        return release_expired(self, self.histories, now)
+
+    def _forget(self, seq_id: int) -> None:
+        """Drop the sequence's index (its history is gone already)."""
+        raise NotImplementedError
+
+    def _propose_one(self, req: ProposeRequest, tokens: list[int], rebuild: bool, k: int) -> Proposal:
+        """The proposal for one request in sync: tokens is its committed history, k its cap."""
+        raise NotImplementedError
+
+
+def _extends(tokens: list[int], held: list[int] | None) -> bool:
+    """tokens is held plus (maybe) more: a full-history resend that needs no rebuild."""
+    return held is not None and len(held) <= len(tokens) and tokens[: len(held)] == held

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from specd.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+from specd.proposers.base import IndexDrafter, Proposal, ProposeRequest, TokenHistories, register
 
 VLLM_DEFAULT_LOOKUP = 5  # vLLM: "arbitrarily chosen"; both keys default to 5
 
@@ -94,9 +94,7 @@ class _NgramIndex:
 
 
 @register("ngram")
-class NgramProposer:
-    answers_inline = True  # an index lookup in microseconds: a drafter service calls it on its event loop
-
+class NgramProposer(IndexDrafter):
     def __init__(self, num_speculative_tokens: int = 4, prompt_lookup_min: int | None = None,
                  prompt_lookup_max: int | None = None, ttl_seconds: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic, tree_branches: int = 1, tree_max_nodes: int = 32,
@@ -110,39 +108,20 @@ class NgramProposer:
         self.tree_branches, self.tree_max_nodes = tree_branches, tree_max_nodes
         self.index: dict[int, _NgramIndex] = {}
 
-    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
-        self.release_expired()
-        out = []
-        for req in batch:
-            held = self.histories.tokens.get(req.seq_id)
-            tokens = self.histories.sync(req)
-            if tokens is None:
-                self.index.pop(req.seq_id, None)
-                out.append(Proposal(req.seq_id, [], resync=True))
-                continue
-            index = self.index.get(req.seq_id)
-            if req.full_history and not _extends(tokens, held):
-                index = None  # first contact, or committed history rolled back / replaced: rebuild
-            if index is None:
-                index = self.index[req.seq_id] = _NgramIndex(self.min_n, self.max_n, self.tree_branches)
-            index.extend(tokens)
-            k = min(req.k, self.k)
-            if self.tree_branches > 1:
-                drafts, parents = index.lookup_tree(tokens, k, self.tree_max_nodes) if k > 0 else ([], [])
-                out.append(Proposal(req.seq_id, drafts, parents=parents))
-            else:
-                out.append(Proposal(req.seq_id, index.lookup(tokens, k) if k > 0 else []))
-        return out
+    def _propose_one(self, req: ProposeRequest, tokens: list[int], rebuild: bool, k: int) -> Proposal:
+        index = None if rebuild else self.index.get(req.seq_id)
+        if index is None:
+            index = self.index[req.seq_id] = _NgramIndex(self.min_n, self.max_n, self.tree_branches)
+        index.extend(tokens)
+        if self.tree_branches > 1:
+            drafts, parents = index.lookup_tree(tokens, k, self.tree_max_nodes) if k > 0 else ([], [])
+            return Proposal(req.seq_id, drafts, parents=parents)
+        return Proposal(req.seq_id, index.lookup(tokens, k) if k > 0 else [])
+
+    def _forget(self, seq_id: int) -> None:
+        self.index.pop(seq_id, None)
 
     def release(self, seq_ids: list[int]) -> None:
         self.histories.release(seq_ids)
         for sid in seq_ids:
             self.index.pop(sid, None)
-
-    def release_expired(self, now: float | None = None) -> list[int]:
-        return release_expired(self, self.histories, now)
-
-
-def _extends(tokens: list[int], held: list[int] | None) -> bool:
-    """tokens is held plus (maybe) more: a full-history resend that needs no rebuild."""
-    return held is not None and len(held) <= len(tokens) and tokens[: len(held)] == held

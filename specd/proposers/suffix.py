@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from specd.proposers.base import Proposal, ProposeRequest, TokenHistories, register, release_expired
+from specd.proposers.base import IndexDrafter, Proposal, ProposeRequest, TokenHistories, register
 from specd.proposers.datastore import Datastore
 
 
@@ -238,9 +238,7 @@ class _Request:
 
 
 @register("suffix")
-class SuffixProposer:
-    answers_inline = True  # an index lookup in microseconds: a drafter service calls it on its event loop
-
+class SuffixProposer(IndexDrafter):
     def __init__(self, num_speculative_tokens: int = 4, suffix_decoding_max_tree_depth: int = 24,
                  suffix_decoding_max_cached_requests: int = 10000, suffix_decoding_max_spec_factor: float = 1.0,
                  suffix_decoding_min_token_prob: float = 0.1, suffix_decoding_datastore: str | None = None,
@@ -265,26 +263,17 @@ class SuffixProposer:
         self._next_cache_id = 0
         self.datastore = Datastore.load(suffix_decoding_datastore, self.max_depth) if suffix_decoding_datastore else None
 
-    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
-        self.release_expired()
-        out = []
-        for req in batch:
-            held = self.histories.tokens.get(req.seq_id)
-            tokens = self.histories.sync(req)
-            if tokens is None:
-                self.requests.pop(req.seq_id, None)  # out of sync: rebuilt from the full history
-                out.append(Proposal(req.seq_id, [], resync=True))
-                continue
-            state = self._sync_trie(req, tokens, held)
-            k = min(req.k, self.k)
-            draft, source = self._draft(state, tokens, k, req.skip_sources) if k > 0 else ([], "")
-            out.append(Proposal(req.seq_id, draft, source=source))
-        return out
+    def _propose_one(self, req: ProposeRequest, tokens: list[int], rebuild: bool, k: int) -> Proposal:
+        state = self._sync_trie(req, tokens, rebuild)
+        draft, source = self._draft(state, tokens, k, req.skip_sources) if k > 0 else ([], "")
+        return Proposal(req.seq_id, draft, source=source)
 
-    def _sync_trie(self, req: ProposeRequest, tokens: list[int], held: list[int] | None) -> _Request:
+    def _forget(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)
+
+    def _sync_trie(self, req: ProposeRequest, tokens: list[int], rebuild: bool) -> _Request:
         state = self.requests.get(req.seq_id)
-        if req.full_history and not (held is not None and len(held) <= len(tokens) and tokens[: len(held)] == held):
-            # first contact, or committed history rolled back / replaced: rebuild
+        if rebuild:
             prompt_len = state.prompt_len if state is not None else len(tokens)
             state = None
             self.requests.pop(req.seq_id, None)
@@ -326,9 +315,6 @@ class SuffixProposer:
             if state is not None and state.cache_output and tokens is not None:
                 self._cache(tokens[state.prompt_len:])
         self.histories.release(seq_ids)
-
-    def release_expired(self, now: float | None = None) -> list[int]:
-        return release_expired(self, self.histories, now)
 
     def _cache(self, response: list[int]) -> None:
         if self.max_cached == 0 or not response:
