@@ -58,15 +58,22 @@ def resolve_model_dir(model: str, weights: bool = True) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {model!r} has no config.json")
         return path
+    return hub_snapshot(model, "model", ["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+
+
+def hub_snapshot(model: str, what: str, patterns: list[str]) -> Path:
+    """`model`, which is not a local directory, as a hub id: its files matching `patterns`
+    fetched (or found in the local hub cache). Anything else, or a hub that cannot give it, is
+    one clear FileNotFoundError naming `what` (a model, a head checkpoint)."""
     if not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {model!r} not found: no such directory")
+        raise FileNotFoundError(f"{what} {model!r} not found: no such directory")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+        return Path(snapshot_download(model, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, gated ...: one clear line
         raise FileNotFoundError(
-            f"model {model!r} not found: not a local directory and not available from the hub "
+            f"{what} {model!r} not found: not a local directory and not available from the hub "
             f"({type(e).__name__})"
         ) from None
 

@@ -8,7 +8,6 @@ from its own directory (a local dir, a hub id or a GGUF file, resolved as the en
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from safetensors import safe_open
 
 from specd.engine.model_config import ModelArchConfig
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # transformers' LlamaConfig defaults: a speculators config stores its transformer_layer_config
 # with to_diff_dict(), which drops every value equal to these (Llama's; other families' differ).
 _LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -29,18 +27,12 @@ _ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 def resolve_head_dir(model: str) -> Path:
     """A local directory, or a hub id fetched with the files heads are published as."""
+    from specd.engine.loader import hub_snapshot
+
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"head checkpoint {model!r} not found: no such directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.pt"]))
-    except Exception as e:  # offline, unknown repo, gated ...: one clear line
-        raise FileNotFoundError(f"head checkpoint {model!r} not found: not a local directory and not "
-                                f"available from the hub ({type(e).__name__})") from None
+    return hub_snapshot(model, "head checkpoint", ["*.json", "*.safetensors", "*.bin", "*.pt"])
 
 
 def read_config(head_dir: Path) -> dict:
