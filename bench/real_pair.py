@@ -3,8 +3,9 @@ over HTTP, and against peers, on the held-out workloads (specd_train.workloads: 
 
 1. offline: specd.LLM in-process. Per workload, batch (1, 8) and temperature (0, 0.7, seeded per
    prompt): plain decoding, then draft_model / ngram / suffix at each fixed k (controller off).
-   tok/s, ratio to plain, acceptance α per position, mean accepted length, and the cost model of
-   DESIGN §8 from engine step timings over decode steps (prefill steps left out):
+   tok/s, ratio to plain, acceptance α per position, mean accepted length, and the cost model
+   (docs/architecture.md, "The controller's cost model") from engine step timings over decode
+   steps (prefill steps left out):
        P = propose time per step, d = P / k, V(1) = plain verify time per step,
        V(k+1) = verify time per step with drafts, E = 1 + accepted / drafts,
        ideal = E·V(1) / (k·d + V(k+1)), measured / ideal = ratio / ideal.

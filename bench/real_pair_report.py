@@ -67,7 +67,7 @@ def render(r: dict, png: str) -> str:
                   "sequence) that carried drafts; E step = 1 + accepted per decode step, drafted or not. Means over "
                   "decode steps (prefill steps left out): d = propose time per step / k, V(1) = plain verify time "
                   "per step, V(k+1) = verify time per step with speculation on; ideal = E step·V(1)/(k·d + V(k+1)) "
-                  "(the E of DESIGN §8 where every step drafts). greedy =: output tokens identical to plain.", "",
+                  "(the E of docs/architecture.md's cost model where every step drafts). greedy =: output tokens identical to plain.", "",
                   "| workload | batch | sampling | method | k | tok/s | ratio | α per pos | acc len | E | drafted | "
                   "E step | d ms | V(1) ms | V(k+1) ms | ideal | meas/ideal | greedy = |", "|" + "---|" * 18]
         for x in r["offline"]:

@@ -2,7 +2,8 @@
 
 Batch 1, held-out stdlib code prompts, greedy and T = 0.8: tokens/s with speculation
 against without, per method and k, with measured acceptance α, draft cost d per draft
-token, verify cost V per step, and measured / ideal speedup (DESIGN §8):
+token, verify cost V per step, and measured / ideal speedup (docs/architecture.md, "The
+controller's cost model"):
     E = (1 − α^{k+1}) / (1 − α),   ideal = E · V(1) / (k·d + V(k+1)).
 Batch 32: throughput of the adaptive controller against no speculation.
 transformers' assisted generation (assistant_model) on the same pair and prompts.
@@ -64,7 +65,7 @@ def run(llm: LLM, prompts, params_for, batch: int) -> dict:
 
 
 def geometric_alpha(accepted_per_pos: list[int], drafts: int) -> float:
-    """Per-token acceptance α of DESIGN §8 (acceptance at position i given i−1 accepted), pooled."""
+    """Per-token acceptance α of the cost model (acceptance at position i given i−1 accepted), pooled."""
     reached = [drafts] + accepted_per_pos[:-1]
     return sum(accepted_per_pos) / max(sum(reached), 1)
 

@@ -1,4 +1,5 @@
-"""Batched rejection sampling for speculative decoding (DESIGN §4): the public entry point.
+"""Batched rejection sampling for speculative decoding (docs/architecture.md, "Speculation"): the public
+entry point.
 
 `rejection_sample` verifies the drafts of a whole flattened ragged batch in one call and
 returns, per sequence, its accepted drafts followed by one recovered or bonus token:

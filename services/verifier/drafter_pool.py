@@ -1,4 +1,4 @@
-"""The verifier's drafter pool (DESIGN §6): named drafters, routing, one batched message per
+"""The verifier's drafter pool (docs/architecture.md, "Services"): named drafters, routing, one batched message per
 drafter per step, and a synchronous face for the engine's speculator.
 
 Routing: a request may name its drafter; otherwise a sequence stays with the drafter that
@@ -7,7 +7,8 @@ registration order. Moving to another drafter costs one step's drafts (the new o
 answers "resync" and gets the full history next step). A drafter that is slow, dead or
 talks nonsense costs drafts, never requests: its answers are bounded here, validated by the
 speculator, and a missed deadline simply means no drafts this step. Only trusted drafters'
-sparse q reach the speculator; everyone else's drafts are verified as one-hot (DESIGN §4).
+sparse q reach the speculator; everyone else's drafts are verified as one-hot (docs/architecture.md, "Services": trust and
+bounds).
 
 Local drafters: an index drafter (suffix, ngram) may also run inside the verifier process
 (--local-drafter). It is asked by the engine's speculator itself, before each plan, for every

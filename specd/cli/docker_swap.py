@@ -1,4 +1,5 @@
-"""`specd drafters swap`: replace a drafter container without failing a request (DESIGN §6).
+"""`specd drafters swap`: replace a drafter container without failing a request (docs/architecture.md,
+"Services": containers).
 
 1. Find the old drafter at the verifier (ListDrafters) and its container from the host part
    of its address (a container name, a network alias such as compose's service name, or an IP).

@@ -1,7 +1,7 @@
 """Speculation controller: how many drafts (k) each sequence gets this step, and from which
 drafter where several serve (a verifier's pool: e.g. a draft model and a suffix index).
 
-Cost model (DESIGN §8), measured online (the acceptance records: spec_acceptance.py):
+Cost model (docs/architecture.md, "The controller's cost model"), measured online (the acceptance records: spec_acceptance.py):
   verify time  V(T), T = tokens in the forward: measured per T up to VerifyCost.TABLE_MAX (a
                CPU's matmul computes rows in register tiles, so e.g. 1-4 rows cost alike and a
                5th costs a tile more: a line through the points misprices every k), a + b·T

@@ -1,5 +1,5 @@
 """Each request's account of what speculation has cost it: the controller's per-request
-never-slower rule (DESIGN §8).
+never-slower rule (docs/architecture.md, "The controller's cost model").
 
 The controller picks the option of most tokens a second for the whole step, which counts every
 accepted draft as throughput. That holds where a finished stream's slot goes to a waiting request;

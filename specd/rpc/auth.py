@@ -8,7 +8,7 @@ health service stays open for probes; everything else, reflection included, need
 
 A drafter proves it holds the secret itself (not just the drafter token) by answering the
 verifier's random challenge in Info with an HMAC of it: only such drafters may be trusted with
-their sparse q (DESIGN §4). TLS (server certificate and key; clients verify against a CA
+their sparse q (docs/architecture.md, "Services": trust and bounds). TLS (server certificate and key; clients verify against a CA
 file) is independent of the secret and can be combined with it.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Statistical test: emitted tokens follow the target distribution (DESIGN §4).
+"""Statistical test: emitted tokens follow the target distribution (docs/architecture.md,
+"Speculation").
 
 Each trial is one sequence; 250k trials go through ONE target-sampler + rejection_sample
 call (the engine's split: the bonus from the sampler, the rest from the rejection sampler).
