@@ -1,10 +1,14 @@
 """Tokenizer of a model directory, read with the `tokenizers` library (no transformers)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+# What Tokenizer.from_dir reads: the vocabulary, its config, the chat template (either file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
 class Tokenizer:
@@ -37,6 +41,15 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose content is exactly text; None if none is."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == text), None)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokens decode(skip_special_tokens=True) drops."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes one token stands for (its vocabulary string, which
