@@ -176,23 +176,27 @@ async def wait_for_info(address: str, wait_s: float, security=None):
 
 
 async def tokenizer_from_verifier(address: str, security, vocab_hash: str):
-    """The verifier's own tokenizer files (Verifier.GetTokenizer), loaded from a temporary directory."""
+    """The verifier's own tokenizer files (Verifier.GetTokenizer, streamed in chunks), loaded from a
+    temporary directory."""
     import tempfile
 
     import grpc
 
+    from specd.rpc.wire import tokenizer_files
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
     async with auth.aio_channel(address, security, auth.VERIFIER) as channel:
         try:
-            reply = await verifier_pb2_grpc.VerifierStub(channel).GetTokenizer(verifier_pb2.GetTokenizerRequest(),
-                                                                               timeout=60)
+            call = verifier_pb2_grpc.VerifierStub(channel).GetTokenizer(verifier_pb2.GetTokenizerRequest(), timeout=120)
+            files, _ = tokenizer_files([chunk async for chunk in call])
         except grpc.aio.AioRpcError as e:
             raise RuntimeError(f"the verifier at {address} gave no tokenizer ({e.code().name}: {e.details()}); "
                                "pass --tokenizer DIR (a local model directory)") from None
+        except ValueError as e:
+            raise RuntimeError(f"the verifier at {address} sent a broken tokenizer: {e}") from None
     with tempfile.TemporaryDirectory(prefix="specd-tokenizer-") as tmp:
-        for name, data in reply.files.items():
-            if "/" in name or name.startswith("."):  # file names only, never a path out of tmp
+        for name, data in files.items():
+            if "/" in name or name.startswith(".") or not name:  # file names only, never a path out of tmp
                 raise RuntimeError(f"the verifier at {address} sent a tokenizer file named {name!r}")
             (Path(tmp) / name).write_bytes(data)
         return load_tokenizer(tmp, vocab_hash, f"the tokenizer of the verifier at {address}")

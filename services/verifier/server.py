@@ -11,11 +11,10 @@ from specd.rpc.telemetry import extract_metadata, tracer
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.verifier.async_engine import AsyncEngine, EngineFailure, Overloaded
 from specd.verifier.drafter_client import TrustUnavailable, VocabularyMismatch
-from specd.rpc.wire import params_from_proto
+from specd.models.tokenizer import TOKENIZER_FILES
+from specd.rpc.wire import params_from_proto, tokenizer_chunks
 
 _tracer = tracer("specd.verifier")
-# What specd.models.tokenizer.Tokenizer.from_dir reads: the vocabulary, its config, the chat template.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
@@ -95,7 +94,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
         if "tokenizer.json" not in files:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"the model at {self.info.model} has no tokenizer.json")
-        return verifier_pb2.GetTokenizerResponse(files=files, vocab_hash=self.info.vocab_hash)
+        for chunk in tokenizer_chunks(files, self.info.vocab_hash):
+            yield chunk
 
     # -- drafter administration -------------------------------------------------------
     def _pool(self):

@@ -91,3 +91,31 @@ def tensor_from_proto(msg):
     if not msg.data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)
+
+
+TOKENIZER_CHUNK_BYTES = 1 << 20  # far below any gRPC message limit, so no vocabulary size meets one
+
+
+def tokenizer_chunks(files: dict[str, bytes], vocab_hash: str):
+    """Tokenizer files (name -> contents) as Verifier.GetTokenizer streams them: each file's bytes
+    in order, in pieces of at most TOKENIZER_CHUNK_BYTES (an empty file is one empty piece)."""
+    for name, data in files.items():
+        for start in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
+            yield verifier_pb2.TokenizerChunk(name=name, data=data[start:start + TOKENIZER_CHUNK_BYTES],
+                                              vocab_hash=vocab_hash)
+
+
+def tokenizer_files(chunks) -> tuple[dict[str, bytes], str]:
+    """tokenizer_chunks' pieces -> (name -> contents, vocab_hash). ValueError where a file's pieces
+    are not consecutive or the chunks disagree on the vocabulary."""
+    files: dict[str, bytearray] = {}
+    hashes, last = set(), None
+    for chunk in chunks:
+        if chunk.name != last and chunk.name in files:
+            raise ValueError(f"tokenizer file {chunk.name!r} came in pieces that are not consecutive")
+        files.setdefault(chunk.name, bytearray()).extend(chunk.data)
+        hashes.add(chunk.vocab_hash)
+        last = chunk.name
+    if len(hashes) > 1:
+        raise ValueError("tokenizer chunks name different vocabularies")
+    return {name: bytes(data) for name, data in files.items()}, next(iter(hashes), "")

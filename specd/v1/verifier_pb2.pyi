@@ -143,20 +143,15 @@ class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GetTokenizerResponse(_message.Message):
-    __slots__ = ("files", "vocab_hash")
-    class FilesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: bytes
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
-    FILES_FIELD_NUMBER: _ClassVar[int]
+class TokenizerChunk(_message.Message):
+    __slots__ = ("name", "data", "vocab_hash")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
-    files: _containers.ScalarMap[str, bytes]
+    name: str
+    data: bytes
     vocab_hash: str
-    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., vocab_hash: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ..., vocab_hash: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("num_requests", "num_waiting", "kv_blocks_used", "kv_blocks_total")

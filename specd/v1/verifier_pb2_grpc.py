@@ -49,10 +49,10 @@ class VerifierStub:
                 request_serializer=specd_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_verifier__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.GetTokenizer = channel.unary_unary(
+        self.GetTokenizer = channel.unary_stream(
                 '/specd.v1.Verifier/GetTokenizer',
                 request_serializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.FromString,
+                response_deserializer=specd_dot_v1_dot_verifier__pb2.TokenizerChunk.FromString,
                 _registered_method=True)
         self.RegisterDrafter = channel.unary_unary(
                 '/specd.v1.Verifier/RegisterDrafter',
@@ -97,6 +97,8 @@ class VerifierServicer:
     def GetTokenizer(self, request, context):
         """The model's tokenizer and chat template as the verifier loaded them, for a gateway without a
         copy (a .gguf target, whose tokenizer lives in the file; a container without the weights).
+        Streamed in chunks: a 262k-token vocabulary's tokenizer.json is about 20 MB, more than any
+        one message should carry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,10 +141,10 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=specd_dot_v1_dot_verifier__pb2.InfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_verifier__pb2.InfoResponse.SerializeToString,
             ),
-            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
                     servicer.GetTokenizer,
                     request_deserializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.SerializeToString,
+                    response_serializer=specd_dot_v1_dot_verifier__pb2.TokenizerChunk.SerializeToString,
             ),
             'RegisterDrafter': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterDrafter,
@@ -262,12 +264,12 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/specd.v1.Verifier/GetTokenizer',
             specd_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
-            specd_dot_v1_dot_verifier__pb2.GetTokenizerResponse.FromString,
+            specd_dot_v1_dot_verifier__pb2.TokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,
