@@ -14,7 +14,7 @@ import threading
 import time
 
 HELP = "start gateway + verifier + drafters on this machine (default: SmolLM2-135M-Instruct and its drafter)"
-READY_TIMEOUT_S = 180.0
+READY_TIMEOUT_S = 600.0  # a first start builds the CPU kernels; a large GGUF loads for minutes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,13 +122,35 @@ def local_label(method: str, options: str | None) -> str:
     return f"{method} (in the verifier" + (f", with the datastore {store})" if store else ")")
 
 
-def default_suffix(target: str | None) -> str:
-    """The suffix index inside the verifier; on the default target it also drafts from the
-    target's own answers committed beside its drafter (models/SmolLM2-135M-Instruct-datastore)."""
+def default_suffix(target: str | None) -> tuple[str, str]:
+    """(the suffix index inside the verifier, what it drafts from). It always drafts from each
+    request's own text and earlier answers; from the default target's answers committed beside its
+    drafter (models/SmolLM2-135M-Instruct-datastore) too where the target has that vocabulary (a
+    datastore of another tokenizer's ids would only cost drafts)."""
     from specd.models import model_store
 
-    store = None if target else model_store.committed_datastore_dir()
-    return f"suffix:{json.dumps({'suffix_decoding_datastore': str(store)})}" if store else "suffix"
+    own = "each request's own text and earlier answers"
+    store = model_store.committed_datastore_dir()
+    if store is None:
+        return "suffix", own
+    if target:
+        target_hash = target_vocab_hash(target)
+        if target_hash != json.loads((store / "config.json").read_text()).get("vocab_hash"):
+            why = "is of another vocabulary" if target_hash else "could not be checked against the target's vocabulary here"
+            return "suffix", f"{own} (not the default datastore: it {why})"
+    return f"suffix:{json.dumps({'suffix_decoding_datastore': str(store)})}", f"{own} and the default datastore"
+
+
+def target_vocab_hash(target: str) -> str:
+    """The target's token table hash ("" where it cannot be read without the weights here: a hub
+    id not in the local cache, a file of a tokenizer type we do not convert)."""
+    from specd.engine.loader import resolve_model_dir
+    from specd.models.tokenizer import vocab_hash_of
+
+    try:
+        return vocab_hash_of(resolve_model_dir(target, weights=False))
+    except Exception:  # noqa: BLE001 - only a choice of drafters hangs on it; the verifier reports load errors
+        return ""
 
 
 class Stack:
@@ -236,10 +258,20 @@ def run(args) -> int:
     from specd.models import model_store
     from specd.rpc.threads import default_threads
 
-    defaults = args.drafter is None and args.local_drafter is None
-    drafters = [] if args.no_speculation else [parse_drafter(d) for d in (["draft_model"] if defaults else args.drafter or [])]
-    local = [] if args.no_speculation else [parse_drafter(d) for d in ([default_suffix(args.target)] if defaults
-                                                                       else args.local_drafter or [])]
+    defaults = args.drafter is None and args.local_drafter is None and not args.no_speculation
+    # Without drafters named: the default target's trained draft model; for any other target the
+    # drafters that need no model (a draft model must share the target's tokenizer: only the user knows one).
+    drafters = [parse_drafter(d) for d in (args.drafter or [])] if not defaults else [] if args.target else [
+        ("draft_model", None)]
+    local = [parse_drafter(d) for d in (args.local_drafter or [])]
+    if defaults:
+        suffix, source = default_suffix(args.target)
+        local = [parse_drafter(suffix)]
+        if args.target:  # what it chose, and the one thing only the user can add
+            print(f"drafters: none named, so the suffix index inside the verifier, drafting from {source}; "
+                  "--drafter draft_model:FILE_OR_DIR adds a draft model of the same tokenizer", file=sys.stderr, flush=True)
+    if args.no_speculation:
+        drafters, local = [], []
     if {m for m, _ in local} & {m for m, _ in drafters}:
         raise ValueError("a method runs either as a service (--drafter) or inside the verifier (--local-drafter), "
                          "not both: they would share a name")
@@ -324,6 +356,12 @@ def run(args) -> int:
             stack.start(name, argv)
             checks.append((name, lambda a=address: grpc_serving(a, security)
                            and drafters_registered(a, names, security)))
+        # The gateway starts once the verifiers serve: it reads the model (and tokenizer) from them, and a
+        # first start may build the CPU kernels and convert a GGUF for minutes.
+        wait_ready(stack, checks, stopping)
+        if stopping.is_set():
+            return 0
+        checks = []
         argv = ["gateway", "--verifier", ",".join(verifiers), "--host", args.host, "--port", str(args.port), *log,
                 *client_tls, "--routing", args.routing]
         if args.tls_cert:
