@@ -48,6 +48,7 @@ class Gateway:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.tool_format = tools.tool_format(tokenizer)  # how this model writes tool calls (None: it takes none)
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
         self.replicas = ReplicaSet(config.verifiers, config.security, self.metrics, model.vocab_hash,
@@ -79,7 +80,7 @@ class Gateway:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         body.check_supported()
         if chat:
-            body.check_tools(self.tokenizer.chat_template)
+            body.check_tools(self.tokenizer.chat_template, self.tool_format)
         prompt_ids = await self._prompt_ids(body, chat)
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
                                         prompt_param="messages" if chat else "prompt")
@@ -89,7 +90,7 @@ class Gateway:
             span.set_attributes({"gen_ai.request.model": self.model.name, "specd.request_id": request_id,
                                  "gen_ai.usage.input_tokens": len(prompt_ids),
                                  "specd.stream": bool(body.stream)})
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, self.tool_format)
         bad = next((t for t in params.stop_token_ids if t >= self.model.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"stop_token_ids must be in [0, {self.model.vocab_size}), got {bad}",
@@ -98,9 +99,11 @@ class Gateway:
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival, deadline_s=self.config.request_timeout_s,
                   silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s,
-                  affinity=request.headers.get(SESSION_HEADER) or body.user)
+                  affinity=request.headers.get(SESSION_HEADER) or body.user,
+                  keep_token_ids=self.tool_format.keep_token_ids if chat and body.tool_names else frozenset())
         fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer,
-                        exact=self.model.exact, tool_names=body.tool_names if chat else None)
+                        exact=self.model.exact, tool_names=body.tool_names if chat else None,
+                        tool_format=self.tool_format)
         steps = generate(self.replicas, self.tokenizer, job, self.metrics)
         if not body.stream:
             collected = await cancel_on_disconnect(request, _collect(steps))

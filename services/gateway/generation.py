@@ -56,6 +56,7 @@ class Job:
     silence_s: float | None = None  # longest wait for the verifier's next chunk (503 past it: stalled)
     retry_s: float = 15.0  # how long a retry waits for a lost verifier to be back (503 past it)
     affinity: str | None = None  # session key: the same key goes to the same (healthy) replica
+    keep_token_ids: frozenset[int] = frozenset()  # special tokens decoded as text all the same (tool markers)
 
 
 async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
@@ -65,7 +66,7 @@ async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
     Closing or cancelling this generator (client gone) cancels the call, and the
     verifier aborts the sequence when its stream is cancelled.
     """
-    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids)
+    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, keep=job.keep_token_ids)
     stops = StopStrings(job.stop)
     span = trace.get_current_span()  # the gateway's request span: its context travels in the metadata
     timer = metrics.track(job.arrival)

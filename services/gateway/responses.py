@@ -26,6 +26,7 @@ class Formatter:
     tokenizer: Tokenizer
     exact: bool = False  # the verifier's Info.exact, carried by every response object
     tool_names: set[str] | None = None  # chat with tools: calls of these are read back from the text
+    tool_format: tools.ToolFormat | None = None  # how the model writes them
     created: int = field(default_factory=lambda: int(time.time()))
     # token id -> its text: the same alternatives come back at position after position
     _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
@@ -98,12 +99,13 @@ class Formatter:
     def _tool_chunk(self, step: Step, logprobs: dict | None) -> dict | None:
         """Content outside tool calls as it comes; each call as one tool_calls delta once it closes."""
         if self._calls is None:
-            self._calls = tools.StreamParser(self.tool_names)
+            self._calls = tools.StreamParser(self.tool_names, self.tool_format)
         before = self._calls.calls
         text, calls = self._calls.feed(step.text)
         finish = step.finish_reason
         if finish is not None:
-            text += self._calls.finish()
+            rest, last = self._calls.finish()
+            text, calls = text + rest, calls + last
             finish = "tool_calls" if finish == "stop" and self._calls.calls else finish
         if not text and not calls and logprobs is None and finish is None:
             return None
@@ -126,7 +128,7 @@ class Formatter:
         text, finish = "".join(s.text for s in steps), steps[-1].finish_reason
         choice = self._choice(text, self._logprobs(token_ids, logprobs, tops, offsets), finish, streamed=False)
         if self.tool_names is not None:
-            content, calls = tools.parse(text, self.tool_names)
+            content, calls = tools.parse(text, self.tool_names, self.tool_format)
             if calls:
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 choice["finish_reason"] = "tool_calls" if finish == "stop" else finish

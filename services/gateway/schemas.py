@@ -124,28 +124,29 @@ class _GenerationBody(_Body):
         """None: no logprobs; n >= 0: each chosen token's logprob and the n most likely alternatives."""
         raise NotImplementedError
 
-    def structured(self) -> StructuredOutput | None:
-        """What the output must match, checked (the grammar compiles); APIError 400 naming the field."""
+    def structured(self, tool_format=None) -> StructuredOutput | None:
+        """What the output must match, checked (the grammar compiles); APIError 400 naming the field.
+        tool_format: the model's (tools.tool_format), for a chat request that forces a tool call."""
         param = "structured_outputs" if self.structured_outputs is not None else "response_format"
         try:
-            s = self._structured()
+            s = self._structured(tool_format)
             if s is not None:
                 check_structured(s)
             return s
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
 
-    def _structured(self) -> StructuredOutput | None:
+    def _structured(self, tool_format=None) -> StructuredOutput | None:
         if self.response_format is not None and self.structured_outputs is not None:
             raise ValueError("set response_format or structured_outputs, not both")
         if self.structured_outputs is not None:
             return StructuredOutput.from_dict(self.structured_outputs)
         return StructuredOutput.from_response_format(self.response_format)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, tool_format=None) -> SamplingParams:
         """Raises APIError 400 naming the field, with SamplingParams' own message."""
         spec = self.speculative
-        structured = self.structured()
+        structured = self.structured(tool_format)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -169,10 +170,10 @@ class ChatCompletionRequest(_GenerationBody):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
 
-    def check_tools(self, template: str | None) -> None:
+    def check_tools(self, template: str | None, tool_format: tools.ToolFormat | None) -> None:
         """400 naming tools or tool_choice for what this model's template or specd cannot serve."""
         try:
-            tools.check(self.tools, self.tool_choice, template)
+            tools.check(self.tools, self.tool_choice, tool_format, template)
         except ValueError as e:
             param, _, message = str(e).partition(": ")
             raise bad_request(message, param=param) from None
@@ -184,9 +185,9 @@ class ChatCompletionRequest(_GenerationBody):
             return None
         return {t["function"]["name"] for t in self.tools}
 
-    def _structured(self) -> StructuredOutput | None:
+    def _structured(self, tool_format=None) -> StructuredOutput | None:
         s = super()._structured()
-        calls = tools.forced(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        calls = tools.forced(self.tools, self.tool_choice, self.parallel_tool_calls is not False, tool_format)
         if calls is not None and s is not None:
             raise ValueError("a tool_choice that forces a call cannot be combined with a response format")
         return calls or s

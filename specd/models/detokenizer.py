@@ -26,15 +26,21 @@ class IncrementalDetokenizer:
     multi-byte character. `flush()` at the end emits whatever is left.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()):
+        """keep: special tokens that are decoded as their text all the same (tool-call markers the
+        parser reads); the other special tokens are dropped here, as decoding would drop them."""
         self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._skip = skip_special_tokens and not keep
+        self._drop = tokenizer.special_ids - keep if keep and skip_special_tokens else frozenset()
+        self._ids = [t for t in prompt_ids[-PROMPT_CONTEXT:] if t not in self._drop]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # everything emitted so far
 
     def add(self, token_id: int) -> str:
+        if token_id in self._drop:
+            return ""
         self._ids.append(token_id)
         return self._advance(final=False)
 
