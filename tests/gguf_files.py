@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -23,6 +24,26 @@ ARCHS = {"llama": ("LlamaConfig", "smollm", True, False), "qwen2": ("Qwen2Config
 # Types transformers' GGUF loader reads too (it is the reference); norms and biases stay F32.
 REFERENCE_TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1,
                    "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.F16, "ffn_down": Q.BF16, "output": Q.Q8_0}
+
+
+class Vocab(NamedTuple):
+    """A GGUF's tokenizer metadata as llama.cpp's converter writes it (token_type: 1 normal, 3 control,
+    4 user-defined)."""
+    tokens: list[str]
+    merges: list[str]
+    types: list[int]
+    bos: int
+    eos: int
+    pre: str
+    add_bos: bool | None  # None: the key is absent
+    template: str
+
+
+def tiny_vocab(arch: str, tokenizer: tuple[list[str], list[str]], eos: int = EOS) -> Vocab:
+    """bpe_tokenizer's (tokens, merges) with this module's specials, template and arch defaults."""
+    tokens, merges = tokenizer
+    types = [3 if t in SPECIALS else 4 if t == USER_DEFINED else 1 for t in tokens]
+    return Vocab(tokens, merges, types, BOS, eos, ARCHS[arch][1], ARCHS[arch][2], TEMPLATE)
 
 
 def bpe_tokenizer(pre: str) -> tuple[list[str], list[str]]:
@@ -51,12 +72,13 @@ def bpe_tokenizer(pre: str) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def hf_model(arch: str, out: Path, vocab_size: int, hidden_size: int = 64, intermediate_size: int = 128) -> Path:
+def hf_model(arch: str, out: Path, vocab_size: int, hidden_size: int = 64, intermediate_size: int = 128,
+             context: int = 256) -> Path:
     cls, _, _, tied = ARCHS[arch]
     cfg = getattr(transformers, cls)(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
+        num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.1, rms_norm_eps=1e-6,
         bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=tied)
     torch.manual_seed(7)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -94,11 +116,11 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndar
 
 def write_gguf(path: Path, arch: str, hf_dir: Path, tokenizer, types=None, eos: int = EOS, arch_name=None,
                extra_tensors=()) -> Path:
-    """hf_dir (save_pretrained) -> a GGUF laid out as llama.cpp's converter lays it out."""
+    """hf_dir (save_pretrained) -> a GGUF laid out as llama.cpp's converter lays it out; tokenizer:
+    bpe_tokenizer's (tokens, merges), or a whole Vocab (tests/real_vocabs.py)."""
     from safetensors.numpy import load_file
 
-    tokens, merges = tokenizer
-    pre, add_bos = ARCHS[arch][1], ARCHS[arch][2]
+    vocab = tokenizer if isinstance(tokenizer, Vocab) else tiny_vocab(arch, tokenizer, eos)
     cfg = transformers.AutoConfig.from_pretrained(hf_dir)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
@@ -118,16 +140,16 @@ def write_gguf(path: Path, arch: str, hf_dir: Path, tokenizer, types=None, eos: 
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(head_dim)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 4 if t == USER_DEFINED else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(eos)
-    w.add_pad_token_id(BOS)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    w.add_chat_template(TEMPLATE)
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    w.add_pad_token_id(vocab.bos)
+    if vocab.add_bos is not None:
+        w.add_add_bos_token(vocab.add_bos)
+    w.add_chat_template(vocab.template)
     types = types or REFERENCE_TYPES
     for i, (hf_name, v) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
