@@ -208,8 +208,8 @@ def start_stack(request, files: list[Path], profiles: list[str], extra_env: dict
             env["SPECD_BASE_IMAGE"] = "specd-base:bookworm"
         except docker.errors.ImageNotFound:
             env["SPECD_BASE_IMAGE"] = "python:3.11-slim"
-    for key in ("SPECD_TORCH_VARIANT", "SPECD_TORCH_INDEX_URL", "SPECD_IMAGE_TAG", "SPECD_TARGET_MODEL",
-                "SPECD_DRAFTER_MODEL", "SPECD_DATASTORE"):
+    for key in ("SPECD_TORCH_VARIANT", "SPECD_TORCH_INDEX_URL", "SPECD_IMAGE_TAG", "SPECD_TARGET",
+                "SPECD_DRAFTER", "SPECD_DATASTORE", "SPECD_MODELS"):
         env.pop(key, None)  # the defaults: CPU torch from wheels/, the default pair, :latest
     wheel = ensure_cpu_torch_wheel()
     ports = {k: str(free_port()) for k in ("SPECD_GATEWAY_PORT", "SPECD_VERIFIER_PORT", "SPECD_PROMETHEUS_PORT")}

@@ -75,9 +75,12 @@ def test_compose_file_shape():
     json.loads(DASHBOARD.read_text())
     # The default pair, whose weights the images carry (services/*/Dockerfile, models stage).
     verifier, dm = services["verifier"]["command"], services["drafter-dm"]["command"]
-    assert verifier[verifier.index("--model") + 1] == "${SPECD_TARGET_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct}"
+    assert verifier[verifier.index("--model") + 1] == "${SPECD_TARGET:-/opt/specd/cache/models/SmolLM2-135M-Instruct}"
     assert dm[dm.index("--model") + 1] == \
-        "${SPECD_DRAFTER_MODEL:-/opt/specd/cache/models/SmolLM2-135M-Instruct-drafter}"
+        "${SPECD_DRAFTER:-/opt/specd/cache/models/SmolLM2-135M-Instruct-drafter}"
+    # A user's models come from a host directory (SPECD_MODELS), the same path in both containers.
+    for name in ("verifier", "drafter-dm"):
+        assert services[name]["volumes"] == ["${SPECD_MODELS:-./models}:/models:ro"], name
     # The suffix index inside the verifier drafts from the default target's datastore, which the
     # verifier image carries with the committed models/ (at /opt/specd/models).
     local = json.loads(verifier[verifier.index("--local-drafter") + 1].removeprefix("suffix:"))
