@@ -1,4 +1,4 @@
-"""/admin/drafters: HTTP in front of the verifier's drafter-pool RPCs (DESIGN §6).
+"""/admin/drafters: HTTP in front of the verifier's drafter-pool RPCs (docs/architecture.md, "Services": the drafter pool).
 
 With several verifier replicas, a drafter is registered on (and removed from) every one of
 them, so the replicas share it; the list is the first serving replica's.

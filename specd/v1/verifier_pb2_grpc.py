@@ -105,7 +105,7 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterDrafter(self, request, context):
-        """Drafter pool administration (DESIGN §6).
+        """Drafter pool administration (docs/architecture.md, "Services").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

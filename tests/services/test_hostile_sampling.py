@@ -1,4 +1,4 @@
-"""A lying drafter cannot bias sampled output (DESIGN §4, issue 14).
+"""A lying drafter cannot bias sampled output (docs/architecture.md, "Services": trust and bounds; issue 14).
 
 The drafter claims q(x) = 1e-6 for each of its drafts x, so a verifier that believed it would
 accept x whenever p(x) > 1e-6. Registered untrusted (the default), its q is never read: its
