@@ -22,6 +22,10 @@ MAX_TOP_K = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 32) - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # (0, 10]: 1 is off; vLLM only asks > 0, a larger one flattens every logit it touches
+MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is clamped to [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -48,6 +52,12 @@ class SamplingParams:
     # False: the answer is not kept in the drafters' cache of finished answers (the suffix index's
     # global cache), which later requests draft from; this request still drafts from it.
     cache_output: bool = True
+    # Part of the target distribution at every position (specd/engine/penalties.py says how):
+    presence_penalty: float = 0.0  # OpenAI's, [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, [-2, 2]
+    repetition_penalty: float = 1.0  # vLLM's / transformers', over prompt and output; 1: off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias, clamped to [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids blocked until this many tokens were generated
 
     def __post_init__(self) -> None:
         self._check_number("max_tokens", self.max_tokens, integer=True)
@@ -98,6 +108,39 @@ class SamplingParams:
             if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
                 raise ValueError(f"num_speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}, "
                                  f"got {self.num_speculative_tokens}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._check_number(name, getattr(self, name))
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        self._check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: off), "
+                             f"got {self.repetition_penalty}")
+        self.logit_bias = self._checked_bias(self.logit_bias)
+        self._check_number("min_tokens", self.min_tokens, integer=True)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    @classmethod
+    def _checked_bias(cls, bias) -> dict[int, float]:
+        """Token id -> bias, the keys as ints (JSON gives strings) and the biases clamped to [-100, 100]."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {str(bias)[:100]}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {str(key)[:50]!r}")
+            cls._check_number(f"logit_bias[{token}]", value)
+            if value in (float("inf"), float("-inf")):
+                raise ValueError(f"logit_bias[{token}] must be a finite number, got {value}")
+            out[token] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(value)))
+        return out
 
     @staticmethod
     def _check_number(name: str, value: object, integer: bool = False) -> None:

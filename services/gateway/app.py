@@ -91,10 +91,10 @@ class Gateway:
                                  "gen_ai.usage.input_tokens": len(prompt_ids),
                                  "specd.stream": bool(body.stream)})
         params = body.sampling_params(max_tokens, self.tool_format)
-        bad = next((t for t in params.stop_token_ids if t >= self.model.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids must be in [0, {self.model.vocab_size}), got {bad}",
-                           param="stop_token_ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if t >= self.model.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{name} token ids must be in [0, {self.model.vocab_size}), got {bad}", param=name)
         job = Job(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   drafter=body.speculative.drafter if body.speculative else "", stop=body.stop_strings,
                   arrival=arrival, deadline_s=self.config.request_timeout_s,

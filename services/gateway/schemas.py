@@ -3,7 +3,7 @@
 Unknown fields are rejected (extra="forbid") and types are strict ("0.5" is not a
 number), so a typo never silently changes what is generated. OpenAI fields that
 would change the output but that specd does not implement are accepted only at
-their neutral value (n=1, presence_penalty=0, ...), and rejected otherwise by name.
+their neutral value (n=1, echo=false, ...), and rejected otherwise by name.
 """
 from __future__ import annotations
 
@@ -67,9 +67,6 @@ class Message(_Body):
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "n=1"),
     "best_of": (lambda v: v in (None, 1), "best_of=1"),
-    "presence_penalty": (lambda v: not v, "presence_penalty=0"),
-    "frequency_penalty": (lambda v: not v, "frequency_penalty=0"),
-    "logit_bias": (lambda v: not v, "an empty logit_bias"),
     "echo": (lambda v: not v, "echo=false"),
     "suffix": (lambda v: not v, "no suffix"),
 }
@@ -93,6 +90,8 @@ class _GenerationBody(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM's extension, as min_tokens
+    min_tokens: int | None = None
     speculative: Speculative | None = None
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (one of json,
     # json_object, regex, choice, grammar), not both.
@@ -155,7 +154,10 @@ class _GenerationBody(_Body):
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self._logprobs(),
                 num_speculative_tokens=spec.num_speculative_tokens if spec else None,
-                structured_outputs=structured, cache_output=spec.cache_output if spec else True)
+                structured_outputs=structured, cache_output=spec.cache_output if spec else True,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.logit_bias or {}, min_tokens=self.min_tokens or 0)
         except ValueError as e:
             msg = str(e)
             raise bad_request(msg, param=msg.split(" ", 1)[0]) from None

@@ -124,6 +124,7 @@ class AsyncEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.check_prompt(prompt_token_ids)
+        self.engine.check_params(params)
         if drafter:
             if self.pool is None:
                 raise ValueError("this verifier has no drafter pool (it runs without speculation "

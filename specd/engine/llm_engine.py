@@ -10,6 +10,7 @@ import torch
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.models.detokenizer import StopChecker
 from specd.engine.block_manager import BlockManager
+from specd.engine.penalties import apply_penalties
 from specd.engine.loader import (available_memory_bytes, default_device, large_buffers_off_the_heap, load_checkpoint,
                                  open_checkpoint)
 from specd.engine.logprobs import StepLogprobs
@@ -160,6 +161,7 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
         seq = Sequence(prompt_token_ids, params, seq_id)
         if seq.seq_id in self.sequences:
             raise ValueError(f"request id {seq.seq_id} is already in use")
@@ -203,6 +205,13 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for settings that name tokens outside this model's vocabulary."""
+        vocab = self.arch.vocab_size
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab})")
 
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)
@@ -248,7 +257,7 @@ class LLMEngine:
         if self._grammars is not None:
             self._grammars.mask_batch(batch, logits, self.timings)
         meta = SamplingMetadata.from_batch(batch, self.device, **(spec.mode if spec is not None else {}))
-        out = self.sampler(logits, meta)
+        out = self.sampler(apply_penalties(batch, logits, self.eos_token_ids), meta)
         if self._grammars is not None:
             self._grammars.advance(batch, out.token_ids)
         t2 = time.perf_counter()

@@ -13,7 +13,9 @@ def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.Sampli
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         stop_token_ids=p.stop_token_ids, stop=p.stop, ignore_eos=p.ignore_eos, logprobs=p.want_logprobs,
         top_logprobs=p.num_top_logprobs, drafter=drafter,
-        structured_outputs=json.dumps(p.structured_outputs.to_dict()) if p.structured_outputs else "")
+        structured_outputs=json.dumps(p.structured_outputs.to_dict()) if p.structured_outputs else "",
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
     if p.num_speculative_tokens is not None:
@@ -42,7 +44,9 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos, logprobs=(msg.top_logprobs or True) if msg.logprobs else None,
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
-        structured_outputs=structured, cache_output=msg.cache_output if msg.HasField("cache_output") else True)
+        structured_outputs=structured, cache_output=msg.cache_output if msg.HasField("cache_output") else True,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens)
 
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:
