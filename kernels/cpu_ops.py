@@ -18,6 +18,7 @@ libsimde-dev), slower, to check that code on a machine without AVX-512.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -99,10 +100,30 @@ def build(name: str, directory: Path | None = None, load: bool = True) -> Path:
     """Compile the ops for ISA `name` into directory (default: build_dir(name)) and, with load,
     load them. load=False builds without loading, e.g. the AVX-512 library on an image builder
     whose CPU may lack AVX-512 (the Dockerfiles' cpu-ops stage). Returns the library's path."""
-    from torch.utils import cpp_extension
-
     directory = directory or build_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
+    # One build at a time per directory, under a lock the kernel drops when its holder dies. torch's
+    # own lock is a file that a killed build leaves behind, and every later start waits on it forever:
+    # whoever holds ours knows no live build holds that file, and clears it.
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        library = directory / f"{_library_name(name)}.so"
+        if load and _current(directory, name):  # built by another process while this one waited
+            torch.ops.load_library(str(library))
+            return library
+        (directory / "lock").unlink(missing_ok=True)
+        return _build_locked(name, directory, load)
+
+
+def _current(directory: Path, name: str) -> bool:
+    stamp = directory / STAMP
+    return ((directory / f"{_library_name(name)}.so").is_file() and stamp.is_file()
+            and stamp.read_text().strip() == build_digest(name))
+
+
+def _build_locked(name: str, directory: Path, load: bool) -> Path:
+    from torch.utils import cpp_extension
+
     if not any(directory.glob("*.so")):  # torch's loader says nothing while it compiles
         log.warning("building the fused CPU ops for %s (once per machine and torch version, about a minute) "
                     "into %s", name, directory)
@@ -126,9 +147,8 @@ def _load(name: str) -> None:
     """Load the ops for `name`: a library built earlier for the same sources, flags and torch
     (its stamp says so) loads as it is, with no compiler (the images carry none); else build."""
     directory = build_dir(name)
-    library, stamp = directory / f"{_library_name(name)}.so", directory / STAMP
-    if library.is_file() and stamp.is_file() and stamp.read_text().strip() == build_digest(name):
-        torch.ops.load_library(str(library))
+    if _current(directory, name):
+        torch.ops.load_library(str(directory / f"{_library_name(name)}.so"))
         return
     build(name, directory)
 
