@@ -9,6 +9,15 @@ this tree's), in processes alternating with this tree's, side by side in one run
     python bench/verify_rows.py --threads 2 [--baseline /tmp/base] [--out bench/results/verify_rows_avx2]
     python bench/verify_rows.py --threads 2 --rows 1,16,32,33,48,64   # larger blocks (trees, batches)
     python bench/verify_rows.py --threads 2 --context 1024   # a long answer or prompt: attention's share grows
+    python bench/verify_rows.py --threads 2 --random-gguf /tmp/q4km-1.5b.gguf   # a quantized 1.5B target
+
+--random-gguf PATH writes (once) and measures a random-weight qwen2 GGUF of Qwen2.5-1.5B-Instruct's
+shapes (1536 hidden, 28 layers, 12 / 2 heads, 8960 intermediate, 151,936 tokens, tied head) in a
+Q4_K_M-like mix, served in its own types (--dtype auto): llama.cpp's Q4_K_M rule for the layers
+(Q4_K; Q6_K for attn_v and ffn_down in its use_more_bits layers), Q5_0 for attn_q and attn_k and Q8_0
+for the embeddings and head, so the file holds the four types a user's Qwen2.5-1.5B Q4_K_M file had
+(its exact per-tensor map is not known here). Any bytes are valid blocks: random ones, with scales
+that keep the weights small; a forward's cost does not depend on the values.
 """
 from __future__ import annotations
 
@@ -35,6 +44,67 @@ def parse_rows(text: str) -> list[int]:
         a, b = text.split("-")
         return list(range(int(a), int(b) + 1))
     return sorted({int(t) for t in text.split(",")})
+
+
+def write_random_gguf(path: Path) -> None:
+    """The --random-gguf file (module docstring)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    hidden, layers, heads, kv_heads, ffn, vocab = 1536, 28, 12, 2, 8960, 151936
+    kv = kv_heads * hidden // heads
+    # type -> (byte offset of its fp16 scale, scale, dmin where it has one): |w| of 0.01-0.1
+    scales = {Q.Q4_K: (0, 5e-5, 5e-5), Q.Q6_K: (208, 2e-5, None), Q.Q8_0: (0, 2e-4, None), Q.Q5_0: (0, 2e-3, None)}
+    rng = np.random.default_rng(0)
+
+    def blocks(qtype, rows: int, cols: int) -> np.ndarray:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        at, d, dmin = scales[qtype]
+        raw[..., at:at + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+        if dmin is not None:
+            raw[..., 2:4] = np.frombuffer(np.float16(dmin).tobytes(), dtype=np.uint8)
+        return raw.reshape(rows, -1)
+
+    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits
+        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_name("random qwen2, Qwen2.5-1.5B-Instruct's shapes, Q4_K_M-like")
+    for add, value in [(w.add_context_length, 32768), (w.add_embedding_length, hidden), (w.add_block_count, layers),
+                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_rope_freq_base, 1e6), (w.add_layer_norm_rms_eps, 1e-6),
+                       (w.add_file_type, gguf.LlamaFileType.MOSTLY_Q4_K_M)]:
+        add(value)
+    # A byte-level BPE vocabulary: the 256 byte symbols, one merge, fillers, three control tokens.
+    alphabet = [chr(c) for c in (*range(33, 127), *range(161, 173), *range(174, 256), *range(256, 324))]
+    tokens = alphabet + ["ab"] + [f"<t{i}>" for i in range(vocab - len(alphabet) - 4)] + [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i >= vocab - 3 else 1 for i in range(vocab)])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(vocab - 3)
+    w.add_eos_token_id(vocab - 3)
+    w.add_tensor("token_embd.weight", blocks(Q.Q8_0, vocab, hidden), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        big = Q.Q6_K if more_bits(i) else Q.Q4_K
+        for name, n in (("attn_norm", hidden), ("ffn_norm", hidden)):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+        for name, n in (("attn_q", hidden), ("attn_k", kv), ("attn_v", kv)):
+            w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
+        for name, qtype, rows, cols in (("attn_q", Q.Q5_0, hidden, hidden), ("attn_k", Q.Q5_0, kv, hidden),
+                                        ("attn_v", big, kv, hidden), ("attn_output", Q.Q4_K, hidden, hidden),
+                                        ("ffn_gate", Q.Q4_K, ffn, hidden), ("ffn_up", Q.Q4_K, ffn, hidden),
+                                        ("ffn_down", big, hidden, ffn)):
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks(qtype, rows, cols), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def use_kernels_of(checkout: Path, cache: Path) -> None:
@@ -127,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="auto serves a .gguf in its own quantized types")
     p.add_argument("--context", type=int, default=128, help="tokens of the sequence before the block")
     p.add_argument("--rows", default=ROWS, help="query token counts T: a range a-b or a list (default 1-9)")
+    p.add_argument("--random-gguf", type=Path, default=None,
+                   help="measure a random Qwen2.5-1.5B-shaped Q4_K_M-like GGUF at this path (written if missing)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--build-only", action="store_true")
@@ -136,6 +208,10 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.random_gguf is not None:
+        if not args.random_gguf.exists():
+            write_random_gguf(args.random_gguf)
+        args.model, args.dtype = str(args.random_gguf), "auto"
     if args.model is None:
         from specd.models import model_store
 
