@@ -31,6 +31,13 @@ log = logging.getLogger("specd.speculation")
 ASK_ANYWAY_EVERY = 16
 
 
+
+def drafting_temperature(params) -> float:
+    """The temperature drafters get: 0 for a greedy request, whatever its temperature field says
+    (top_k 1 at T 0.7 is greedy: SamplingParams.greedy is the one definition), so a drafter plans
+    and drafts it as the verifier verifies it."""
+    return 0.0 if params.greedy else params.temperature
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer, vocab_size: int, max_model_len: int):
         self.config, self.proposer = config, proposer
@@ -93,7 +100,7 @@ class Speculator:
         caps = [self._cap(e.seq, budget_left, limit) for e in decoding]
         for e in decoding:
             if e.seq.seq_id not in self.controller.sampled:
-                self.controller.note_sampling(e.seq.seq_id, e.seq.params.temperature > 0)
+                self.controller.note_sampling(e.seq.seq_id, not e.seq.params.greedy)
         base_tokens = sum(e.num_new_tokens for e in batch)
         pinned = {e.seq.seq_id: name for e in decoding if (name := self._pinned(e.seq.seq_id))}
         seqs = [(e.seq.seq_id, cap, self._fixed_k(e.seq)) for e, cap in zip(decoding, caps)]
@@ -147,7 +154,7 @@ class Speculator:
             new_tokens = seq.token_slice(0 if full else seq.spec_sent, length)
             requests.append(ProposeRequest(seq_id=seq.seq_id, new_tokens=new_tokens, num_tokens=length, k=k, full_history=full,
                                            num_prompt_tokens=len(seq.prompt_token_ids),
-                                           temperature=seq.params.temperature, seed=seq.params.seed,
+                                           temperature=drafting_temperature(seq.params), seed=seq.params.seed,
                                            features=features, feature_layers=layers, drafter=drafter,
                                            structured_outputs=_structured(seq) if full else None,
                                            features_from=features_from, cache_output=seq.params.cache_output))
@@ -184,7 +191,7 @@ class Speculator:
         self._offer_sources = {}
         t0 = time.perf_counter()
         num_asked = num_drafted = 0
-        kinds = {e.seq.params.temperature > 0 for e in decoding}
+        kinds = {not e.seq.params.greedy for e in decoding}
         for name, proposer in self.inline.items():
             if name not in names:
                 continue
@@ -208,7 +215,7 @@ class Speculator:
                 requests.append(ProposeRequest(
                     seq_id=sid, new_tokens=seq.token_slice(sent, length), num_tokens=length, k=cap,
                     full_history=sent == 0, num_prompt_tokens=len(seq.prompt_token_ids),
-                    temperature=seq.params.temperature, seed=seq.params.seed, drafter=name,
+                    temperature=drafting_temperature(seq.params), seed=seq.params.seed, drafter=name,
                     cache_output=seq.params.cache_output, skip_sources=priced_out))
                 self._inline_sent[name, sid] = length
                 asked[sid] = cap
@@ -298,7 +305,7 @@ class Speculator:
         (sampler.position_walk), and a greedy one's is the argmax, whatever k: their k is the
         controller's (pinned to the full k, seeded greedy chat at batch 8 decoded at 0.66x of plain,
         seeded T 0.7 chat 0.59-0.65x; 2-core Xeon without AMX, suffix index k 8, 2026-11-29)."""
-        return (seq.params.seed is not None and seq.params.temperature > 0
+        return (seq.params.seed is not None and not seq.params.greedy
                 and self.config.rejection_sample_method != "strict")
 
     def _cap(self, seq: Sequence, budget_left: int, limit: int) -> int:
