@@ -30,12 +30,16 @@ from .metrics import CONTENT_TYPE, GatewayMetrics
 from .replicas import ReplicaSet
 from .prompts import check_prompt_size, chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
 from .responses import Formatter
+from .responses_output import ResponsesFormatter
+from .responses_request import ResponsesRequest, responses_names
 from .schemas import ChatCompletionRequest, CompletionRequest, read_json
+from .tokenization import DetokenizeRequest, TokenizeRequest
 
 SESSION_HEADER = "x-session-id"  # session affinity: requests with one value go to one replica
 REPLICA_HEADER = "x-specd-replica"  # in responses: the index of the replica that generated it
 Handler = Callable[[Request], Awaitable[Response]]
-TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
+TRACED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")  # vLLM's, and under /v1
 _tracer = tracer("specd.gateway")
 
 
@@ -76,6 +80,27 @@ class Gateway:
     async def _generate(self, request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         body = await read_json(request, ChatCompletionRequest if chat else CompletionRequest, self.config.max_body_bytes)
+        job = await self._job(request, body, chat, arrival)
+        fmt = Formatter(chat=chat, request_id=job.request_id, model=self.model.name, tokenizer=self.tokenizer,
+                        exact=self.model.exact, tool_names=body.tool_names if chat else None,
+                        tool_format=self.tool_format)
+        return await self._respond(request, job, bool(body.stream), fmt.response,
+                                   partial(_sse, fmt, include_usage=body.include_usage))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, stateless: served as the chat completion it translates to."""
+        arrival = time.perf_counter()
+        body = await read_json(request, ResponsesRequest, self.config.max_body_bytes)
+        chat = body.to_chat()
+        with responses_names():
+            job = await self._job(request, chat, True, arrival, id_prefix="resp_")
+        fmt = ResponsesFormatter(request_id=job.request_id, model=self.model.name, echo=body.echo(),
+                                 exact=self.model.exact, tool_names=chat.tool_names, tool_format=self.tool_format)
+        return await self._respond(request, job, bool(body.stream), fmt.response, fmt.events)
+
+    async def _job(self, request: Request, body, chat: bool, arrival: float, id_prefix: str = "") -> Job:
+        """A parsed chat or completion body checked and its prompt tokenized, as the Generate call's
+        Job; APIError (400, 404) naming the field."""
         if body.model is not None and body.model != self.model.name:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         body.check_supported()
@@ -84,7 +109,7 @@ class Gateway:
         prompt_ids = await self._prompt_ids(body, chat)
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, self.model.max_model_len,
                                         prompt_param="messages" if chat else "prompt")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex}"
         span = trace.get_current_span()  # TraceRequests' span (the no-op span when tracing is off)
         if span.is_recording():
             span.set_attributes({"gen_ai.request.model": self.model.name, "specd.request_id": request_id,
@@ -101,17 +126,19 @@ class Gateway:
                   silence_s=self.config.verifier_timeout_s, retry_s=self.config.verifier_retry_s,
                   affinity=request.headers.get(SESSION_HEADER) or body.user,
                   keep_token_ids=self.tool_format.keep_token_ids if chat and body.tool_names else frozenset())
-        fmt = Formatter(chat=chat, request_id=request_id, model=self.model.name, tokenizer=self.tokenizer,
-                        exact=self.model.exact, tool_names=body.tool_names if chat else None,
-                        tool_format=self.tool_format)
+        return job
+
+    async def _respond(self, request: Request, job: Job, stream: bool, whole: Callable[[list[Step]], dict],
+                       events: Callable[[Step, AsyncIterator[Step]], AsyncIterator[bytes]]) -> Response:
+        """The Generate call's steps as one JSON object (whole) or an SSE body (events)."""
         steps = generate(self.replicas, self.tokenizer, job, self.metrics)
-        if not body.stream:
+        if not stream:
             collected = await cancel_on_disconnect(request, _collect(steps))
-            return JSONResponse(fmt.response(collected), headers={REPLICA_HEADER: str(collected[-1].replica)})
+            return JSONResponse(whole(collected), headers={REPLICA_HEADER: str(collected[-1].replica)})
         # Wait for the first chunk before answering, so errors the verifier reports at once
         # (bad argument, queue full, down) get their HTTP status instead of an in-stream event.
         first = await cancel_on_disconnect(request, anext(steps))  # on error the generator is already closed
-        return SSEResponse(_sse(fmt, first, steps, body.include_usage), headers={REPLICA_HEADER: str(first.replica)})
+        return SSEResponse(events(first, steps), headers={REPLICA_HEADER: str(first.replica)})
 
     async def _prompt_ids(self, body, chat: bool) -> list[int]:
         """Size first (a prompt certainly over the context is refused before any work), then the
@@ -134,6 +161,16 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
 
     # ---- plain routes
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_json(request, TokenizeRequest, self.config.max_body_bytes)
+        work = body.work(self.tokenizer, self.model, self.tool_format)
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_json(request, DetokenizeRequest, self.config.max_body_bytes)
+        work = body.work(self.tokenizer, self.model)
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -234,14 +271,14 @@ class SSEResponse(StreamingResponse):
 
 
 class LimitConcurrency:
-    """At most `limit` generation requests in the gateway at once (a streamed one counts until
-    its last byte); the next are answered 429 with Retry-After before their body is read."""
+    """At most `limit` generation (and tokenize) requests in the gateway at once (a streamed one
+    counts until its last byte); the next are answered 429 with Retry-After before their body is read."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit, self.active = app, limit, 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS:
+        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS + TOKENIZE_PATHS:
             return await self.app(scope, receive, send)
         if self.active >= self.limit:
             response = overloaded(f"the gateway is handling {self.active} requests (the limit is {self.limit}); "
@@ -347,6 +384,9 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
     routes = [
         Route("/v1/chat/completions", require_key(api, gw.chat_completions), methods=["POST"]),
         Route("/v1/completions", require_key(api, gw.completions), methods=["POST"]),
+        Route("/v1/responses", require_key(api, gw.responses), methods=["POST"]),
+        *[Route(path, require_key(api, gw.detokenize if "detok" in path else gw.tokenize), methods=["POST"])
+          for path in TOKENIZE_PATHS],
         Route("/v1/models", require_key(api, gw.models), methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics_endpoint, methods=["GET"]),

@@ -75,9 +75,14 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
         raise ChatTemplateError(f"chat template failed: {e}") from None
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    text = render_chat(tokenizer, messages, tools=tools)
-    bos = special_token(tokenizer, "bos_token")
-    # Templates that write BOS themselves must not get a second one from the tokenizer;
-    # those that do not get the one the tokenizer adds to any prompt.
-    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> list[int]:
+    """add_special_tokens None: the tokenizer's special tokens (BOS) only where the template does
+    not write them itself; true or false: as told (vLLM's /tokenize field)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools=tools)
+    if add_special_tokens is None:
+        bos = special_token(tokenizer, "bos_token")
+        # Templates that write BOS themselves must not get a second one from the tokenizer;
+        # those that do not get the one the tokenizer adds to any prompt.
+        add_special_tokens = not (bos and text.startswith(bos))
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -42,6 +42,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id's vocabulary string (byte-level "Ġword", metaspace "▁word"), as transformers'
+        convert_ids_to_tokens; None for an id the vocabulary lacks."""
+        return [self._tok.id_to_token(i) for i in ids]
+
     def added_token_id(self, text: str) -> int | None:
         """The id of the added token (special or not) whose content is exactly text; None if none is."""
         return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == text), None)
