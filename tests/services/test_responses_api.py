@@ -5,6 +5,7 @@ naming it. The real stacks (SmolLM2, a Qwen2.5 tool template) are in test_respon
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -155,8 +156,6 @@ def test_function_calls_come_back_as_items_whole_and_streamed():
                 yield s
         return [e async for e in formatter.events(steps[0], rest())]
 
-    import asyncio
-
     events = [json.loads(b.decode().split("data: ", 1)[1]) for b in asyncio.run(run())]
     kinds = _kinds(events)
     call_events = ["response.output_item.added", "response.function_call_arguments.delta",
@@ -280,7 +279,8 @@ TOKENIZE_BAD = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param,contains", TOKENIZE_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(TOKENIZE_BAD)])
+@pytest.mark.parametrize("path,body,param,contains", TOKENIZE_BAD,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(TOKENIZE_BAD)])
 def test_bad_tokenize_bodies_are_400s_naming_the_field(client, path, body, param, contains):
     status = 404 if param == "model" else 400
     assert_error(client.post(path, json=body), status, param=param, contains=contains)

@@ -50,7 +50,7 @@ def _whole(client, **kw) -> Response:
 
 
 def _streamed(client, **kw) -> tuple[list[str], str, Response]:
-    """(event types, consecutive deltas as one, the joined deltas, the final response) of a stream."""
+    """(its event types, consecutive deltas as one; the deltas joined; the final response) of a stream."""
     events = list(client.responses.create(stream=True, **kw))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
@@ -183,9 +183,8 @@ def test_the_call_and_its_result_go_back_as_the_chat_turn(qwen):
     result = {"type": "function_call_output", "call_id": item.call_id, "output": "18 degrees"}
     turn = _whole(client, model=model, input=[{"role": "user", "content": ASK}, item.to_dict(), result],
                   tools=TOOLS, max_output_tokens=4, temperature=0)
-    messages = [{"role": "user", "content": ASK},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": item.call_id, "type": "function", "function": {
-                    "name": item.name, "arguments": item.arguments}}]},
+    call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+    messages = [{"role": "user", "content": ASK}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": item.call_id, "content": "18 degrees"}]
     chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
     chat = client.chat.completions.create(model=model, messages=messages, tools=chat_tools, max_tokens=4,
