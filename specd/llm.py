@@ -24,6 +24,7 @@ class RequestOutput:
     # Per token when SamplingParams.logprobs = n > 0: the n most likely (token id, logprob), best first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     spec: dict | None = None  # speculation counters when speculation was configured
+    choice: int = 0  # with SamplingParams.n > 1: which of the prompt's n choices (they come in order)
 
     def to_dict(self) -> dict:
         d = {"index": self.index, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
@@ -53,18 +54,19 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         token_prompts = [self._tokenize(p) for p in prompts]  # validate all before starting any
-        ids: list[int] = []
+        ids: list[tuple[int, int, int]] = []  # (prompt index, choice, sequence id)
         try:
-            for toks, sp in zip(token_prompts, params):
-                ids.append(self.engine.add_request(toks, sp))
+            for i, (toks, sp) in enumerate(zip(token_prompts, params)):
+                seq_id = self.engine.add_request(toks, sp)
+                ids += [(i, c, s) for c, s in enumerate([seq_id, *(f.seq_id for f in self.engine.sequences[seq_id].forks)])]
             done = {}
             while self.engine.has_unfinished():
                 for seq in self.engine.step():
                     done[seq.seq_id] = seq
         finally:
-            for seq_id in ids:  # an exception mid-run must not leak KV blocks
+            for _, _, seq_id in ids:  # an exception mid-run must not leak KV blocks
                 self.engine.abort(seq_id)
-        return [self._output(i, done[seq_id]) for i, seq_id in enumerate(ids)]
+        return [self._output(i, done[seq_id], choice) for i, choice, seq_id in ids]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict):
@@ -81,7 +83,7 @@ class LLM:
             return list(prompt)
         raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _output(self, index: int, seq) -> RequestOutput:
+    def _output(self, index: int, seq, choice: int = 0) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
         checker = seq.stop_checker
         if checker is not None and checker.match is not None:
@@ -96,6 +98,7 @@ class LLM:
             top_logprobs=[list(zip(ids, lps)) for ids, lps in seq.output_top_logprobs]
             if seq.params.num_top_logprobs else None,
             spec=self._spec_dict(seq),
+            choice=choice,
         )
 
     def _spec_dict(self, seq) -> dict | None:

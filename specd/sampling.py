@@ -26,6 +26,7 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: 
 MAX_REPETITION_PENALTY = 10.0  # (0, 10]: 1 is off; vLLM only asks > 0, a larger one flattens every logit it touches
 MAX_LOGIT_BIAS = 100.0  # OpenAI's: a bias is clamped to [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 16  # choices per request (each a sequence of its own, sharing the prompt's KV)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's / transformers', over prompt and output; 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias, clamped to [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids blocked until this many tokens were generated
+    # Choices: n sequences from one prompt, its prefill computed once; choice i > 0 with a seed draws
+    # from seed + i, so a seed gives the same n choices on every run (greedy: n identical ones).
+    n: int = 1
 
     def __post_init__(self) -> None:
         self._check_number("max_tokens", self.max_tokens, integer=True)
@@ -118,6 +122,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: off), "
                              f"got {self.repetition_penalty}")
         self.logit_bias = self._checked_bias(self.logit_bias)
+        self._check_number("n", self.n, integer=True)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed must be at most 2**63-1 - (n - 1) with n choices, got {self.seed}")
         self._check_number("min_tokens", self.min_tokens, integer=True)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")

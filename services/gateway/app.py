@@ -83,7 +83,7 @@ class Gateway:
         job = await self._job(request, body, chat, arrival)
         fmt = Formatter(chat=chat, request_id=job.request_id, model=self.model.name, tokenizer=self.tokenizer,
                         exact=self.model.exact, tool_names=body.tool_names if chat else None,
-                        tool_format=self.tool_format)
+                        tool_format=self.tool_format, n=job.params.n)
         return await self._respond(request, job, bool(body.stream), fmt.response,
                                    partial(_sse, fmt, include_usage=body.include_usage))
 
@@ -248,7 +248,7 @@ async def _sse(fmt: Formatter, first: Step, steps: AsyncIterator[Step], include_
                 chunk = fmt.chunk(step)
                 if chunk is not None:
                     yield _event(chunk)
-                if step.finish_reason is not None:
+                if step.done:
                     break
                 step = await anext(steps)
             if include_usage:

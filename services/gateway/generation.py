@@ -40,8 +40,10 @@ class Step:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
-    spec: dict | None  # the request's speculation totals: on the last step (None before it)
+    spec: dict | None  # the choice's speculation totals: on its last step (None before it)
     replica: int = 0  # the verifier replica that generated it
+    index: int = 0  # which of the request's n choices
+    done: bool = False  # the request's last step: every choice has finished
 
 
 @dataclass
@@ -66,14 +68,21 @@ async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
     Closing or cancelling this generator (client gone) cancels the call, and the
     verifier aborts the sequence when its stream is cancelled.
     """
-    detok = IncrementalDetokenizer(tokenizer, job.prompt_ids, keep=job.keep_token_ids)
-    stops = StopStrings(job.stop)
+    n = job.params.n  # each choice its own detokenizer and stop strings; the call ends when all are done
+    detoks = [IncrementalDetokenizer(tokenizer, job.prompt_ids, keep=job.keep_token_ids) for _ in range(n)]
+    stops = [StopStrings(job.stop) for _ in range(n)]
     span = trace.get_current_span()  # the gateway's request span: its context travels in the metadata
     timer = metrics.track(job.arrival)
-    completed = False
+    completed, finished = False, set()
     try:
         async with contextlib.aclosing(_chunks(replicas, job, metrics)) as chunks:
             async for chunk in chunks:
+                i = chunk.index
+                if not 0 <= i < n:
+                    raise APIError(502, f"the verifier sent choice {i} of a request for {n}")
+                if i in finished:  # cut by a stop string here while the verifier ran on: nothing more of it
+                    continue
+                detok = detoks[i]
                 if chunk.token_ids:
                     timer.tokens()
                 offsets, text = [], ""
@@ -83,12 +92,18 @@ async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
                 finish = chunk.finish_reason or None
                 if finish:
                     text += detok.flush()
-                text, stopped = stops.feed(text, final=finish is not None)
-                if stopped:
-                    if not finish:  # (a verifier applies stop strings itself; this is for one that did not)
+                text, stopped = stops[i].feed(text, final=finish is not None)
+                if stopped and not finish:
+                    # (a verifier applies stop strings itself; this is for one that did not, and ends the
+                    # call only where no other choice runs on)
+                    if n == 1:
                         await _abort(chunks.replica.stub, chunks.request_id)
                     finish = "stop"
-                completed = finish is not None
+                elif stopped:
+                    finish = "stop"
+                if finish is not None:
+                    finished.add(i)
+                completed = len(finished) == n
                 if completed and span.is_recording():
                     span.set_attributes({"gen_ai.usage.output_tokens": chunk.completion_tokens,
                                          "gen_ai.response.finish_reasons": [finish]})
@@ -99,7 +114,7 @@ async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
                            text_offsets=offsets, finish_reason=finish, prompt_tokens=chunk.prompt_tokens,
                            completion_tokens=chunk.completion_tokens,
                            spec=spec_to_dict(chunk.spec) if chunk.HasField("spec") else None,
-                           replica=chunks.replica.index)
+                           replica=chunks.replica.index, index=i, done=completed)
                 if completed:
                     return
         raise APIError(502, "the verifier ended the stream without a finish reason")

@@ -10,10 +10,15 @@ from . import tools
 from .generation import Step
 
 
-def usage(last: Step) -> dict:
-    out = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-           "total_tokens": last.prompt_tokens + last.completion_tokens}
-    if last.spec is not None:
+def usage(last: Step, choices: list[Step] | None = None) -> dict:
+    """From the last step; with n choices (the last step of each, in order), their completion tokens
+    summed (the prompt counted once, as OpenAI counts it) and the speculation of each."""
+    completion = sum(c.completion_tokens for c in choices) if choices else last.completion_tokens
+    out = {"prompt_tokens": last.prompt_tokens, "completion_tokens": completion,
+           "total_tokens": last.prompt_tokens + completion}
+    if choices and len(choices) > 1:
+        out["speculative"] = [c.spec for c in choices]
+    elif last.spec is not None:
         out["speculative"] = last.spec
     return out
 
@@ -27,10 +32,12 @@ class Formatter:
     exact: bool = False  # the verifier's Info.exact, carried by every response object
     tool_names: set[str] | None = None  # chat with tools: calls of these are read back from the text
     tool_format: tools.ToolFormat | None = None  # how the model writes them
+    n: int = 1  # choices
     created: int = field(default_factory=lambda: int(time.time()))
     # token id -> its text: the same alternatives come back at position after position
     _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False)
-    _calls: tools.StreamParser | None = field(default=None, init=False, repr=False)
+    _calls: dict[int, tools.StreamParser] = field(default_factory=dict, init=False, repr=False)  # by choice
+    _last: dict[int, Step] = field(default_factory=dict, init=False, repr=False)  # each choice's last step
 
     def _envelope(self, choices: list[dict], streamed: bool) -> dict:
         obj = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
@@ -71,11 +78,11 @@ class Formatter:
         out.setdefault(chosen, logprob)
         return out
 
-    def _choice(self, text: str, logprobs: dict | None, finish: str | None, streamed: bool) -> dict:
+    def _choice(self, text: str, logprobs: dict | None, finish: str | None, streamed: bool, index: int = 0) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         body = {"content": text} if streamed else {"role": "assistant", "content": text}
-        return {"index": 0, ("delta" if streamed else "message"): body, "logprobs": logprobs,
+        return {"index": index, ("delta" if streamed else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish}
 
     # ---- streaming
@@ -84,52 +91,58 @@ class Formatter:
         """The first chat chunk names the role, as OpenAI's does; completions have none."""
         if not self.chat:
             return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}], streamed=True)
+        return self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(self.n)], streamed=True)
 
     def chunk(self, step: Step) -> dict | None:
         """None when the step adds nothing visible (text held back, no logprobs, not finished)."""
+        self._last[step.index] = step
         logprobs = self._logprobs(step.token_ids, step.logprobs, step.top_logprobs, step.text_offsets)
         if self.tool_names is not None:
             return self._tool_chunk(step, logprobs)
         if not step.text and logprobs is None and step.finish_reason is None:
             return None
-        return self._envelope([self._choice(step.text, logprobs, step.finish_reason, streamed=True)], streamed=True)
+        return self._envelope([self._choice(step.text, logprobs, step.finish_reason, True, step.index)], streamed=True)
 
     def _tool_chunk(self, step: Step, logprobs: dict | None) -> dict | None:
         """Content outside tool calls as it comes; each call as one tool_calls delta once it closes."""
-        if self._calls is None:
-            self._calls = tools.StreamParser(self.tool_names, self.tool_format)
-        before = self._calls.calls
-        text, calls = self._calls.feed(step.text)
+        parser = self._calls.setdefault(step.index, tools.StreamParser(self.tool_names, self.tool_format))
+        before = parser.calls
+        text, calls = parser.feed(step.text)
         finish = step.finish_reason
         if finish is not None:
-            rest, last = self._calls.finish()
+            rest, last = parser.finish()
             text, calls = text + rest, calls + last
-            finish = "tool_calls" if finish == "stop" and self._calls.calls else finish
+            finish = "tool_calls" if finish == "stop" and parser.calls else finish
         if not text and not calls and logprobs is None and finish is None:
             return None
         delta: dict = {"content": text} if text or not calls else {}
         if calls:
             delta["tool_calls"] = [{"index": before + i, **c} for i, c in enumerate(calls)]
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        return self._envelope([{"index": step.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                               streamed=True)
 
     def usage_chunk(self, last: Step) -> dict:
-        return {**self._envelope([], streamed=True), "usage": usage(last)}
+        return {**self._envelope([], streamed=True), "usage": usage(last, [self._last[i] for i in sorted(self._last)])}
 
     # ---- whole
 
     def response(self, steps: list[Step]) -> dict:
+        choices = [self._whole([s for s in steps if s.index == i]) for i in range(self.n)]
+        lasts = [[s for s in steps if s.index == i][-1] for i in range(self.n)]
+        return {**self._envelope(choices, streamed=False), "usage": usage(steps[-1], lasts)}
+
+    def _whole(self, steps: list[Step]) -> dict:
+        """One choice from its steps."""
         token_ids = [t for s in steps for t in s.token_ids]
         logprobs = None if steps[-1].logprobs is None else [lp for s in steps for lp in s.logprobs]
         tops = None if steps[-1].top_logprobs is None else [t for s in steps for t in s.top_logprobs]
         offsets = [o for s in steps for o in s.text_offsets]
         text, finish = "".join(s.text for s in steps), steps[-1].finish_reason
-        choice = self._choice(text, self._logprobs(token_ids, logprobs, tops, offsets), finish, streamed=False)
+        choice = self._choice(text, self._logprobs(token_ids, logprobs, tops, offsets), finish, False, steps[-1].index)
         if self.tool_names is not None:
             content, calls = tools.parse(text, self.tool_names, self.tool_format)
             if calls:
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 choice["finish_reason"] = "tool_calls" if finish == "stop" else finish
-        return {**self._envelope([choice], streamed=False), "usage": usage(steps[-1])}
+        return choice

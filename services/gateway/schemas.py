@@ -65,8 +65,6 @@ class Message(_Body):
 
 # field -> (is the value neutral?, what is supported): see the module docstring.
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "n=1"),
-    "best_of": (lambda v: v in (None, 1), "best_of=1"),
     "echo": (lambda v: not v, "echo=false"),
     "suffix": (lambda v: not v, "no suffix"),
 }
@@ -104,6 +102,10 @@ class _GenerationBody(_Body):
             if name in type(self).model_fields and not neutral(value):
                 raise bad_request(f"{name}={json.dumps(value)} is not supported; specd supports {supported}",
                                   param=name)
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of != (self.n or 1):
+            raise bad_request(f"best_of={best_of} is not supported; specd supports best_of equal to n ({self.n or 1}): "
+                              "it returns every choice it generates", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -157,7 +159,8 @@ class _GenerationBody(_Body):
                 structured_outputs=structured, cache_output=spec.cache_output if spec else True,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=self.logit_bias or {}, min_tokens=self.min_tokens or 0)
+                logit_bias=self.logit_bias or {}, min_tokens=self.min_tokens or 0,
+                n=1 if self.n is None else self.n)
         except ValueError as e:
             msg = str(e)
             raise bad_request(msg, param=msg.split(" ", 1)[0]) from None

@@ -37,6 +37,7 @@ class Delta:
     completion_tokens: int
     spec: dict | None  # the request's speculation totals, on its last delta only (built per token otherwise)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, when asked
+    index: int = 0  # which of the request's n choices
 
 
 class EngineFailure(RuntimeError):
@@ -77,6 +78,8 @@ class _Request:
     arrival: float = field(default_factory=time.monotonic)
     last_emit: float | None = None
     span_context: trace.SpanContext | None = None  # its verifier.generate span, when traced
+    index: int = 0  # which of the request's n choices; the other choices are forks
+    forks: list["_Request"] = field(default_factory=list)
 
 
 # A running request's tokens go out at most this often (its first token and its end at once).
@@ -132,7 +135,12 @@ class AsyncEngine:
             self.pool.check_choice(drafter)
         self._admit(len(prompt_token_ids))
         req = _Request(request_id, list(prompt_token_ids), params, drafter, span_context=span_context)
-        self.requests[request_id] = req
+        # Choices after the first: requests of their own (own queues, deltas, ends), whose sequences the
+        # engine forks from the first's prompt; the first's id names them all in Abort.
+        req.forks = [_Request(f"{request_id}/{i}", req.prompt_token_ids, params, drafter, span_context=span_context,
+                              index=i) for i in range(1, params.n)]
+        for r in (req, *req.forks):
+            self.requests[r.request_id] = r
         self._queued[request_id] = len(prompt_token_ids)
         self._queued_tokens += len(prompt_token_ids)
         self._to_add.append(req)
@@ -194,7 +202,7 @@ class AsyncEngine:
         if req is None:
             return False
         self._started(request_id)  # it no longer waits, whatever happens next
-        self._to_abort.append(request_id)
+        self._to_abort += [r.request_id for r in (req, *req.forks) if r.request_id in self.requests]
         self._wake.set()
         return True
 
@@ -279,13 +287,17 @@ class AsyncEngine:
             try:
                 seq_id = self.engine.add_request(req.prompt_token_ids, req.params)
             except ValueError as e:
-                self.requests.pop(req.request_id, None)
                 self._started(req.request_id)
-                req.queue.put_nowait(e)
+                for r in (req, *req.forks):
+                    self.requests.pop(r.request_id, None)
+                    r.queue.put_nowait(e)
                 continue
             req.seq = self.engine.sequences[seq_id]
-            if self.pool is not None:
-                self.pool.assign(seq_id, req.drafter)
+            for fork, seq in zip(req.forks, req.seq.forks):
+                fork.seq = seq
+            for r in (req, *req.forks):
+                if self.pool is not None:
+                    self.pool.assign(r.seq.seq_id, req.drafter)
         aborts, self._to_abort = self._to_abort, []
         for request_id in aborts:
             req = self.requests.get(request_id)
@@ -330,7 +342,7 @@ class AsyncEngine:
         req.sent, req.last_emit = end, now
         reason = seq.finish_reason if seq.is_finished else None
         req.queue.put_nowait(Delta(list(new), list(logprobs), reason, len(seq.prompt_token_ids),
-                                   end, seq.spec_stats.to_dict() if reason else None, top))
+                                   end, seq.spec_stats.to_dict() if reason else None, top, req.index))
         if reason:
             self.requests.pop(req.request_id, None)
             if self.metrics is not None:

@@ -60,6 +60,9 @@ class VerifierMetrics:
                                      registry=r)
         self.generation_tokens = Counter("specd_verifier_generation_tokens", "Tokens generated (emitted)",
                                          registry=r)
+        self.prefill_tokens = Counter("specd_verifier_prefill_tokens", "Prompt tokens the target's forward "
+                                      "computed (not those whose KV came from the prefix cache or a fork: the n "
+                                      "choices of a request compute their prompt once)", registry=r)
         self.structured = Counter("specd_verifier_structured_requests", "Finished requests whose output was "
                                   "constrained (JSON schema, regex, choice, grammar, tool calls)", ["kind"], registry=r)
         self.mask_seconds = Counter("specd_verifier_grammar_mask_seconds", "Time spent cutting drafts at the grammar "
@@ -86,6 +89,7 @@ class VerifierMetrics:
         self._prefix = (0, 0, 0)  # the block manager's (queries, hits, evictions) at the last export
         self._exported: dict[str, SpecStats] = {}
         self._mask = (0.0, 0)  # the engine's (mask_s, masked_rows) at the last export
+        self._prefill = 0  # the engine's prefill_tokens at the last export
 
     def export_spec(self, stats_by_drafter: dict[str, SpecStats]) -> None:
         """Add what the speculator counted since the last call."""
@@ -115,7 +119,10 @@ class VerifierMetrics:
         self.prefix_blocks.set(blocks.num_cached_blocks)
 
     def export_grammar(self, timings) -> None:
-        """Add the engine's grammar work (StepTimings.mask_s, masked_rows) since the last call."""
+        """Add the engine's grammar work (StepTimings.mask_s, masked_rows) and the prompt tokens it
+        computed (prefill_tokens) since the last call."""
+        self.prefill_tokens.inc(timings.prefill_tokens - self._prefill)
+        self._prefill = timings.prefill_tokens
         seconds, rows = self._mask
         if timings.masked_rows != rows or timings.mask_s != seconds:
             self.mask_seconds.inc(timings.mask_s - seconds)

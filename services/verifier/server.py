@@ -53,8 +53,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             span.set_attributes({"specd.request_id": req.request_id,
                                  "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
         try:
-            async for d in self.engine.stream(req):
-                chunk = verifier_pb2.GenerateChunk(token_ids=d.token_ids, logprobs=d.logprobs,
+            async for d in _merged([self.engine.stream(r) for r in (req, *req.forks)]):
+                chunk = verifier_pb2.GenerateChunk(index=d.index, token_ids=d.token_ids, logprobs=d.logprobs,
                                                    top_logprobs=[verifier_pb2.TopLogprobs(token_ids=ids, logprobs=lps)
                                                                  for ids, lps in d.top_logprobs],
                                                    finish_reason=d.finish_reason or "",
@@ -146,3 +146,39 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     def _status(self, name: str):
         return next(s for s in self._pool().status(self._stats()) if s.name == name)
+
+
+async def _merged(streams: list):
+    """The deltas of a request's n choices as they come, one stream (one choice: its own stream).
+    Leaving early closes every choice's stream, which aborts it."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async for d in stream:
+                await queue.put(d)
+            await queue.put(None)
+        except BaseException as e:  # noqa: BLE001 - the merged stream raises it
+            await queue.put(e)
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            d = await queue.get()
+            if d is None:
+                open_streams -= 1
+            elif isinstance(d, BaseException):
+                raise d
+            else:
+                yield d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

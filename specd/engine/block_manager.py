@@ -144,6 +144,27 @@ class BlockManager:
             seq.block_table.append(self._take())
         return True
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int, copy_slots) -> bool:
+        """child (holding no blocks) gets parent's KV of its first num_tokens tokens: the full blocks
+        shared (a reference each; no sequence writes into a full block), the last partial block
+        copied into a block of its own through copy_slots(src slots, dst slots). False, and no change,
+        if no block is free for the copy."""
+        full, rest = divmod(num_tokens, self.block_size)
+        if rest and not self.num_free_blocks:
+            return False
+        for block in parent.block_table[:full]:
+            self._refs[block] += 1
+            child.block_table.append(block)
+        if rest:
+            block = self._take()
+            child.block_table.append(block)
+            src = parent.block_table[full] * self.block_size
+            copy_slots(list(range(src, src + rest)), list(range(block * self.block_size, block * self.block_size + rest)))
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+        child.num_computed_tokens = num_tokens
+        return True
+
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep blocks for the first num_tokens tokens only (roll back rejected drafts)."""
         keep = self.blocks_needed(num_tokens)

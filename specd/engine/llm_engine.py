@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,8 +16,8 @@ from specd.engine.loader import (available_memory_bytes, default_device, large_b
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
 from specd.engine.sampler import Sampler, SamplingMetadata, make_generator
-from specd.engine.scheduler import Scheduler
-from specd.engine.sequence import Sequence
+from specd.engine.scheduler import ScheduledSeq, Scheduler
+from specd.engine.sequence import SeqStatus, Sequence
 from specd.sampling import SamplingParams
 from specd.models.tokenizer import Tokenizer
 
@@ -31,6 +31,7 @@ class StepTimings:
     propose_s: float = 0.0
     verify_s: float = 0.0
     forward_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens the forward computed (not prefix-cache hits, not forks)
     mask_s: float = 0.0  # structured output: cutting drafts and filling grammar masks
     masked_rows: int = 0
 
@@ -160,11 +161,20 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> int:
+        """The request's sequence id; with params.n > 1, its other choices' sequences are seq.forks
+        (this one's n - 1 siblings, choice i drawing from seed + i), which start from its prompt."""
         self.check_prompt(prompt_token_ids)
         self.check_params(params)
+        if seq_id is not None and seq_id in self.sequences:
+            raise ValueError(f"request id {seq_id} is already in use")
+        seq = self._sequence(prompt_token_ids, params, seq_id)
+        seq.forks = [self._sequence(prompt_token_ids, replace(params, seed=None if params.seed is None
+                                                              else params.seed + i), None) for i in range(1, params.n)]
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _sequence(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None) -> Sequence:
         seq = Sequence(prompt_token_ids, params, seq_id)
-        if seq.seq_id in self.sequences:
-            raise ValueError(f"request id {seq.seq_id} is already in use")
         if params.seed is not None:
             seq.generator = make_generator(params.seed, self.device)
         if params.stop:
@@ -172,8 +182,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.matcher = self.grammars().matcher(params.structured_outputs)
         self.sequences[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
+        return seq
 
     def _stop_tokenizer(self) -> Tokenizer:
         if not hasattr(self, "_tokenizer"):
@@ -215,8 +224,18 @@ class LLMEngine:
 
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)
-        if seq is not None and not seq.is_finished:
-            self._finish(seq, "abort")
+        if seq is None or seq.is_finished:
+            return
+        for fork in seq.forks:  # its siblings still waiting for its prompt: they would wait forever
+            self.abort(fork.seq_id)
+        seq.forks = []
+        parent = next((s for s in self.sequences.values() if seq in s.forks), None)
+        if parent is not None:  # not started: in no scheduler queue
+            parent.forks.remove(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+            self._release(seq)
+            return
+        self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -233,6 +252,29 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def _fork(self, batch: list, logits: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Sequences whose prompt this step completed start their forks (n > 1): each shares the
+        prompt's KV (BlockManager.fork) and samples its first token from the prompt's last logits row
+        (appended as a row of its own, its entry computing nothing). A fork that finds no block for
+        its copy computes its prompt itself (the prefix cache still serves the full blocks)."""
+        forks, rows, r = [], [], 0
+        for e in batch:
+            r += e.num_logits
+            if not (e.seq.forks and e.num_logits and e.seq.num_computed_tokens + e.num_new_tokens == len(e.seq)):
+                continue
+            for child in e.seq.forks:
+                if self.block_manager.fork(e.seq, child, len(e.seq), self.runner.copy_kv):
+                    self.scheduler.start(child)
+                    forks.append(ScheduledSeq(child, 0, 1))
+                    rows.append(r - 1)
+                else:
+                    self.scheduler.add(child)
+            e.seq.forks = []
+        if not forks:
+            return batch, logits
+        with torch.inference_mode():
+            return batch + forks, torch.cat([logits, logits[torch.tensor(rows, device=logits.device)]])
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -254,6 +296,9 @@ class LLMEngine:
             self.scheduler.attach_drafts(batch, drafts)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # [Σ num_logits, V] float32
+        self.timings.prefill_tokens += sum(min(e.num_new_tokens, len(e.seq.prompt_token_ids) - e.seq.num_computed_tokens)
+                                           for e in batch if e.seq.num_computed_tokens < len(e.seq.prompt_token_ids))
+        batch, logits = self._fork(batch, logits)
         if self._grammars is not None:
             self._grammars.mask_batch(batch, logits, self.timings)
         meta = SamplingMetadata.from_batch(batch, self.device, **(spec.mode if spec is not None else {}))

@@ -124,6 +124,11 @@ class Scheduler:
             budget -= n
         return batch
 
+    def start(self, seq: Sequence) -> None:
+        """Run a sequence that holds its KV already (a fork of another's prompt)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def attach_drafts(self, batch: list[ScheduledSeq], drafts: dict[int, Drafts]) -> None:
         """Give each decoding entry its drafts (by seq_id) and the KV blocks they need; an entry
         whose blocks cannot be had stays without drafts (it still decodes its one token)."""
@@ -162,8 +167,9 @@ class Scheduler:
                 # KV is valid for the last committed token plus the accepted drafts; rejected
                 # slots are rolled back (the newest token's KV is computed next step).
                 committed -= len(entry.draft_token_ids) - (len(tokens) - 1)
-            # Forward rows of the committed positions: the root, then the accepted path.
-            kept = list(range(committed)) if path is None else [0] + [n + 1 for n in path]
+            # Forward rows of the committed positions: the root, then the accepted path (a fork that
+            # computed nothing samples from its one row: LLMEngine._fork).
+            kept = (list(range(committed)) or [0]) if path is None else [0] + [n + 1 for n in path]
             if path is not None:
                 for j, r in enumerate(kept):
                     if r != j:  # a node off the first branch: its KV goes to position start + j

@@ -46,6 +46,10 @@ class Sequence:
         # llguidance's matcher when params.structured_outputs is set: the grammar state after the
         # committed output tokens (specd/engine/grammar.py).
         self.matcher: Any = None
+        # n > 1: the other n - 1 sequences of the request, waiting for this one's prompt; forked from it
+        # (its prompt KV shared, its last prompt row's logits sampled by each) in the step that computes
+        # the prompt's last token (LLMEngine._fork).
+        self.forks: list[Sequence] = []
 
     @property
     def token_ids(self) -> list[int]:

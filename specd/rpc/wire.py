@@ -15,7 +15,7 @@ def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.Sampli
         top_logprobs=p.num_top_logprobs, drafter=drafter,
         structured_outputs=json.dumps(p.structured_outputs.to_dict()) if p.structured_outputs else "",
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens)
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens, n=p.n)
     if p.seed is not None:
         msg.seed = p.seed
     if p.num_speculative_tokens is not None:
@@ -46,7 +46,8 @@ def params_from_proto(msg: verifier_pb2.SamplingParams) -> SamplingParams:
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         structured_outputs=structured, cache_output=msg.cache_output if msg.HasField("cache_output") else True,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens)
+        repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        n=msg.n or 1)
 
 
 def spec_to_dict(spec: verifier_pb2.SpecCounters) -> dict:
