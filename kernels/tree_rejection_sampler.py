@@ -37,6 +37,15 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """Node indices from the root's first child to `node` (inclusive); [] for -1 (the root itself)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 def tree_rejection_sample_ref(
     meta: SpecDecodeMetadata,
     target_probs: torch.Tensor | None,  # [R, V] float32, filtered; R = Σ (n_b + 1); None: all greedy

@@ -15,7 +15,6 @@ pinned version and checked by sha256. From them:
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import gguf
 
 from gguf_files import Vocab
+from specd.cache import file_sha256
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -56,11 +56,11 @@ def data_dir() -> Path:
     if all((out / f).is_file() for f in FILES):
         return out
     sdist = root / SDIST
-    if not sdist.is_file() or _sha256(sdist) != SDIST_SHA256:
+    if not sdist.is_file() or file_sha256(sdist) != SDIST_SHA256:
         root.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                         "-d", str(root), "llama-cpp-python==0.3.36"], check=True)
-        if _sha256(sdist) != SDIST_SHA256:
+        if file_sha256(sdist) != SDIST_SHA256:
             raise RuntimeError(f"{sdist}: sha256 is not the pinned {SDIST_SHA256}")
     with tarfile.open(sdist) as tar:
         for f in FILES:
@@ -68,14 +68,6 @@ def data_dir() -> Path:
             member.name = f
             tar.extract(member, out, filter="data")
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read(name: str) -> tuple[list[str], list[str], list[int], int, int]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specd.kernels.tree_rejection_sampler import path_to
 from specd.structured import StructuredOutput, grammar_text
 
 COMPILED_CACHE = 256  # grammars kept compiled (a schema sent again is copied, not compiled)
@@ -81,7 +82,7 @@ class Grammars:
         for i, p in enumerate(parents):
             if p >= 0 and not allowed.get(p, False):
                 continue
-            path = [token_ids[j] for j in _path(i, parents)]
+            path = [token_ids[j] for j in path_to(i, parents)]
             allowed[i] = matcher.validate_tokens(path) == len(path)
             keep.append(i)
         return keep
@@ -91,7 +92,7 @@ class Grammars:
         those after the path to draft node i (a refused node's row is never read: left as is)."""
         fill_row(matcher, out, 0)
         for i in range(len(token_ids)):
-            path = [token_ids[j] for j in _path(i, parents)]
+            path = [token_ids[j] for j in path_to(i, parents)]
             if matcher.validate_tokens(path) == len(path) and matcher.consume_tokens(path):
                 fill_row(matcher, out, 1 + i)
                 matcher.rollback(len(path))
@@ -187,10 +188,3 @@ def _byte_bits() -> torch.Tensor:
 def _bits() -> torch.Tensor:
     return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
-
-def _path(i: int, parents: list[int]) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]

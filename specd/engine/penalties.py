@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from specd.kernels.tree_rejection_sampler import chain_parents, path_to
 from specd.sampling import SamplingParams
 
 
@@ -48,7 +49,7 @@ def apply_penalties(batch, logits: torch.Tensor, eos_token_ids) -> torch.Tensor:
                 _extend(base_pairs, s, e.seq.output_token_ids)
                 if p.repetition_penalty != 1.0:
                     _extend(prompt_pairs, s, e.seq.prompt_token_ids)
-            parents = e.drafts.parents if e.drafts is not None and e.drafts.parents is not None else list(range(-1, n - 1))
+            parents = (e.drafts.parents if e.drafts is not None else None) or chain_parents(n)
             first = r + e.num_logits - 1 - n  # the row after the last committed token, then one per draft
             stops = sorted({*eos_token_ids, *p.stop_token_ids})
             for i in range(n + 1):  # row i sees the drafts on the path to node i - 1
@@ -56,7 +57,7 @@ def apply_penalties(batch, logits: torch.Tensor, eos_token_ids) -> torch.Tensor:
                 rows.append(first + i)
                 row_seq.append(s)
                 row_params.append(p)
-                path = [e.draft_token_ids[d] for d in _path(i - 1, parents)]
+                path = [e.draft_token_ids[d] for d in path_to(i - 1, parents)]
                 if counting:
                     _extend(step_pairs, j, path)
                 if len(e.seq.output_token_ids) + len(path) < p.min_tokens:
@@ -99,11 +100,3 @@ def _extend(pairs: tuple[list, ...], key: int, tokens) -> None:
     pairs[0].extend([key] * len(tokens))
     pairs[1].extend(tokens)
 
-
-def _path(node: int, parents: list[int]) -> list[int]:
-    """Draft node indices from the root to `node` (inclusive); [] for -1 (the last committed token)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]

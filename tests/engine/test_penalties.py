@@ -116,7 +116,7 @@ def test_sampled_output_follows_the_penalised_target(penalised_samples, get_llm,
                   logit_bias={11: 1.5, 4: -1.0})
     expected = _penalised_pairs(hf_model, prompt, SamplingParams(**params))
     if mutated:  # every row of a block counts the committed output only, as if drafts were not tokens yet
-        monkeypatch.setattr(penalties, "_path", lambda node, parents: [])
+        monkeypatch.setattr(penalties, "path_to", lambda node, parents: [])
     cfg = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 2, "adaptive": False,
            "draft_sample_method": "sampled", "draft_top_k": 4}
     n = 12_000
