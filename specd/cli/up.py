@@ -159,6 +159,7 @@ class Stack:
 
     def __init__(self, secret: str | None = None):
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.argv: dict[str, list[str]] = {}
         self.secret = secret
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -170,8 +171,13 @@ class Stack:
         proc = subprocess.Popen([sys.executable, "-m", "specd.cli", *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
         threading.Thread(target=self._relay, args=(name, proc), daemon=True).start()
-        self.children.append((name, proc))
+        self.children = [(n, p) for n, p in self.children if n != name] + [(name, proc)]
+        self.argv[name] = argv
         return proc
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """The child `name` again, as it was started (same ports: its peers reconnect to it)."""
+        return self.start(name, self.argv[name])
 
     @staticmethod
     def _relay(name: str, proc: subprocess.Popen) -> None:
@@ -252,6 +258,27 @@ def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threa
         pending = [(n, check) for n, check in pending if not check()]
         if pending:
             time.sleep(0.25)
+
+
+RESTARTS_PER_MINUTE = 5  # a child that dies more often than this is not coming back: the stack goes down
+
+
+def supervise(stack: Stack, stopping: threading.Event) -> None:
+    """Until stopped: a child that exits is started again as it was (a verifier replica, a drafter or
+    the gateway: the others reconnect to it, and a gateway routes around a replica meanwhile), unless it
+    keeps dying (RESTARTS_PER_MINUTE), which takes the stack down with its log above."""
+    restarts: dict[str, list[float]] = {}
+    while not stopping.is_set():
+        now = time.monotonic()
+        for name, code in stack.dead():
+            recent = [t for t in restarts.get(name, []) if now - t < 60.0]
+            if len(recent) >= RESTARTS_PER_MINUTE:
+                raise RuntimeError(f"{name} exited with code {code}, {len(recent) + 1} times within a minute "
+                                   "(its log is above)")
+            restarts[name] = recent + [now]
+            print(f"{name} exited with code {code} (its log is above); starting it again", file=sys.stderr, flush=True)
+            stack.restart(name)
+        stopping.wait(0.5)
 
 
 def run(args) -> int:
@@ -391,21 +418,7 @@ def run(args) -> int:
         print(f"try: curl -s {cacert}{url}/chat/completions -H 'content-type: application/json' -d "
               f"'{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'", flush=True)
-        reported: set[str] = set()
-        while not stopping.is_set():
-            dead = stack.dead()
-            # A lost replica leaves the others serving (the gateway routes around it); anything else,
-            # or the last replica, takes the stack down.
-            fatal = [(n, c) for n, c in dead if args.replicas == 1 or n not in replica_names]
-            if fatal or len([n for n, _ in dead if n in replica_names]) == args.replicas:
-                raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in (fatal or dead))
-                                   + " (its log is above)")
-            for n, c in dead:
-                if n not in reported:
-                    reported.add(n)
-                    print(f"{n} exited with code {c} (its log is above); the other replicas serve on",
-                          file=sys.stderr, flush=True)
-            stopping.wait(0.5)
+        supervise(stack, stopping)
         return 0
     finally:
         stack.stop()

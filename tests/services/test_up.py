@@ -114,6 +114,55 @@ def test_drafters_cli_lists_removes_and_adds(up, tmp_path):
     assert missing.returncode == 1 and missing.stderr.startswith("error: not_found: no drafter named 'nope'")
 
 
+def _child(parent: int, role: str, port: int) -> int:
+    """The pid of parent's child process running `specd <role> ... --port <port>` (from /proc)."""
+    import pathlib
+
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"specd.cli" in cmd and role.encode() in cmd and str(port).encode() in cmd:
+            return int(stat.parent.name)
+    raise LookupError(f"no `specd {role}` child of {parent}")
+
+
+def test_a_killed_service_is_started_again(up):
+    """SIGKILL the verifier, then a drafter: `specd up` starts each again on its port, and the
+    stack serves the same greedy text afterwards."""
+    from specd.cli.up import grpc_serving
+
+    proc, ports = up["proc"], up["ports"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0, timeout=120)
+    before = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0).choices[0].text
+    for role, port in (("verifier", ports["verifier"]), ("drafter", ports["drafter"])):
+        victim = _child(proc.pid, role, port)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while _child_or_none(proc.pid, role, port) in (None, victim) or not grpc_serving(f"127.0.0.1:{port}"):
+            assert proc.poll() is None, "specd up went down"
+            assert time.monotonic() < deadline, f"the {role} was not started again"
+            time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while True:  # the gateway takes the new verifier back at its next health poll
+        try:
+            after = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0)
+            break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert after.choices[0].text == before
+
+
+def _child_or_none(parent: int, role: str, port: int) -> int | None:
+    try:
+        return _child(parent, role, port)
+    except LookupError:
+        return None
+
+
 def test_sigterm_stops_every_process(up):
     proc, ports = up["proc"], up["ports"]
     proc.send_signal(signal.SIGTERM)
