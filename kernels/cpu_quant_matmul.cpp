@@ -14,7 +14,9 @@
 // depends on that row and W only, whatever the row count, tile or thread count. The AVX-512 path
 // (two blocks of 32 per register), the AVX2 path and the portable one (SPECD_QUANT_PORTABLE=1, what
 // a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
-// test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values.
+// test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 2-16
+// rows (verify blocks, prefill) on AVX-512 take many-row kernels that unpack each weight block once
+// for all of them and compute the same bits ("verify blocks", below).
 //
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
@@ -25,6 +27,11 @@
 #include <torch/library.h>
 
 #include "cpu_simd.h"
+
+#if defined(SPECD_EMULATE_AVX512)  // SIMDe 0.7.4 has no alias of it: GCC's native one would not inline
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps(a) simde_mm512_cvtepi32_ps(a)
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -216,6 +223,8 @@ template <> struct Q<Q6_K> {
   }
 };
 
+constexpr int GROUP_ROWS = 16;  // rows of x per pass of the many-row kernels (below)
+
 // SPECD_QUANT_PORTABLE=1: the plain C++ path on an AVX2 build (tests compare the two).
 bool portable() {
 #if defined(__AVX2__)
@@ -229,6 +238,20 @@ bool portable() {
 #endif
 }
 
+// Up to 16 rows of x (a group) as the many-row kernels take them (row_groups, below), per block of
+// the group's size (32 or 256): dx2 [blocks][pairs][16] row 2p's scale in lanes 0-7, row 2p + 1's
+// in 8-15; dxT [blocks][16] lane r row r's; xs the min terms' sums of 32: [blocks][16] for the
+// 32-weight types, [blocks][4][16] for the k-quants as int16 pairs (sub-blocks 2j, 2j + 1), the form
+// vpmaddwd multiplies by the mins.
+struct RowGroup {
+  int64_t r0 = 0;
+  int rows = 0, pairs = 0;
+  std::vector<float> dx2, dxT;
+  std::vector<int32_t> xs;
+  std::vector<int8_t> x;    // [pairs][K / 32][2][32]: rows 2p and 2p + 1, block after block
+  std::vector<uint8_t> xu;  // the same, + 128
+};
+
 // x's rows quantized to int8 in groups of 32 (the 32-weight types) or 256 (the k-quants, whose
 // integer scales then apply before one float step per block, as llama.cpp's Q8_K): per group the
 // float32 scale, per 32 values their sum (the min terms).
@@ -237,6 +260,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum;
+  std::vector<RowGroup> groups;  // where the many-row kernels run: the rows in their layouts
   const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
   const float* drow(int64_t r) const { return d.data() + r * (K / group); }
   const int32_t* srow(int64_t r) const { return sum.data() + r * (K / 32); }
@@ -733,11 +757,308 @@ void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, floa
   for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
 }
 
+// ---------------------------------------------------------------- verify blocks (AVX-512)
+// A verify block (k + 1 rows) or a prefill chunk: each weight block is unpacked once and used for up
+// to 16 rows of x, two rows at a time in one register: x's rows are laid out in pairs (row a's 32
+// values of a sub-block, then row b's), the weights' 32 repeated in both halves, so the integer
+// sums land as row a's eight lanes then row b's, the layout the float step takes as it is. Per row
+// and lane it is the 1-4 row kernels' arithmetic on the same integers and operands:
+//  - k-quants: sc x (the products of 4 values) summed over the block in int32 (vpmaddubsw, then
+//    vpmaddwd and an add, or AVX512-VNNI's vpdpwssd), one fma with d x dx per block; Q6_K's q - 32
+//    against x + 128 (unsigned), from -128 x the block's sum of sc (q - 32) (row-independent, once
+//    a block), instead of a second vpmaddubsw per row for the -32;
+//  - the 32-weight types: with AVX512-VNNI one vpdpbusd per block for both rows, the signed types
+//    taking x + 128 from -128 x the block's weight sums, instead of flipping x's signs per row;
+//  - the min terms of a group's 16 rows in one register, lane r row r, in block order.
+// No pair of products reaches 2^15 (|x| <= 127 and x + 128 <= 255 against |q - 32| <= 32; the
+// k-quants' unsigned q <= 31), so every sum is exact and every result is the 1-4 row kernels', bit
+// for bit, whatever the row count (tests/kernels/test_cpu_quant_matmul.py).
+constexpr int64_t PAIR_BYTES = 64;  // one block of 32 of two rows
+
+std::vector<RowGroup> row_groups(const QuantizedRows& xq, int64_t M) {
+  const int64_t nb = xq.K / xq.group, subs = xq.group / 32, n32 = xq.K / 32;
+  std::vector<RowGroup> out;
+  for (int64_t r0 = 0; r0 < M; r0 += GROUP_ROWS) {
+    RowGroup g;
+    g.r0 = r0;
+    g.rows = static_cast<int>(std::min<int64_t>(GROUP_ROWS, M - r0));
+    g.pairs = (g.rows + 1) / 2;
+    g.dx2.assign(nb * g.pairs * 16, 0.0f);
+    g.dxT.assign(nb * 16, 0.0f);
+    g.xs.assign(nb * (subs == 1 ? 1 : 4) * 16, 0);
+    g.x.resize(g.pairs * n32 * PAIR_BYTES);
+    g.xu.resize(g.x.size());
+    for (int r = 0; r < 2 * g.pairs; ++r) {
+      const int64_t row = r0 + std::min(r, g.rows - 1);  // a lone last row is its own pair
+      const int8_t* q = xq.qrow(row);
+      for (int64_t c = 0; c < n32; ++c) {
+        const int64_t at = ((r / 2) * n32 + c) * PAIR_BYTES + 32 * (r % 2);
+        std::memcpy(g.x.data() + at, q + 32 * c, 32);
+        for (int l = 0; l < 32; ++l) g.xu[at + l] = static_cast<uint8_t>(q[32 * c + l]) ^ 0x80u;
+      }
+      if (r >= g.rows) continue;
+      const float* d = xq.drow(row);
+      const int32_t* s = xq.srow(row);
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int l = 0; l < 8; ++l) g.dx2[(b * g.pairs + r / 2) * 16 + 8 * (r % 2) + l] = d[b];
+        g.dxT[b * 16 + r] = d[b];
+        if (subs == 1) {
+          g.xs[b * 16 + r] = s[b];
+        } else {
+          for (int j = 0; j < 4; ++j)
+            g.xs[(b * 4 + j) * 16 + r] = static_cast<int32_t>((static_cast<uint32_t>(s[8 * b + 2 * j]) & 0xFFFFu) |
+                                                              (static_cast<uint32_t>(s[8 * b + 2 * j + 1]) << 16));
+        }
+      }
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {  // acc += u8 x s8, 4 products a lane
+#if !defined(SPECD_EMULATE_AVX512)
+  asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+#endif
+  return acc;
+}
+// acc += the int16 pairs of p x those of s, summed per lane: vpdpwssd, or vpmaddwd and an add.
+template <bool VNNI>
+inline __m512i add_madd(__m512i acc, __m512i p, __m512i s) {
+  if constexpr (VNNI) {
+#if !defined(SPECD_EMULATE_AVX512)
+    asm("vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
+#endif
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+  }
+}
+inline __m512i both_halves(__m256i v) { return join(v, v); }
+
+// Row r's result: its eight lanes in reduce8's tree, plus its min term.
+inline void store_rows(const __m512* acc, __m512 macc, int rows, float* out, int64_t ldo) {
+  alignas(64) float mins[16];
+  _mm512_store_ps(mins, macc);
+  for (int r = 0; r < rows; ++r) {
+    const __m512d a = _mm512_castps_pd(acc[r / 2]);
+    const __m256 half = _mm256_castpd_ps(r % 2 ? _mm512_extractf64x4_pd(a, 1) : _mm512_castpd512_pd256(a));
+    out[r * ldo] = reduce8_avx2(half) + mins[r];
+  }
+}
+
+// 256-bit forms for a group's lone last row (an odd row count), the same integers per lane:
+// EVEX-encoded (AVX512-VNNI + VL), not AVX-VNNI's VEX form, which CPUs with AVX512-VNNI may lack.
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if !defined(SPECD_EMULATE_AVX512)
+  asm("%{evex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+#endif
+  return acc;
+}
+template <bool VNNI>
+inline __m256i add_madd256(__m256i acc, __m256i p, __m256i s) {
+  if constexpr (VNNI) {
+#if !defined(SPECD_EMULATE_AVX512)
+    asm("%{evex%} vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
+#endif
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+  }
+}
+inline __m256i low256(__m512i v) { return _mm512_castsi512_si256(v); }
+
+// Blocks b0 .. b1 of one weight row of a k-quant against a group's rows (dot_k_simd's arithmetic),
+// carrying on from state: P pairs of rows, then L (0 or 1) lone row, then the min terms. The
+// counts are template arguments so the sums stay in registers (in memory each block's fma waited
+// on the last one's store: 2 rows of Q8_0 took 2.5x the time of the 1-4 row kernel), and a lone
+// row takes 256-bit operations, not a pair's work (3 rows of Q4_K took 1.3x the time of 2 rows).
+template <int T, bool VNNI, int P, int L>
+void k_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRows& xq, const RowGroup& g,
+                   __m512* state) {
+  using QT = Q<T>;
+  constexpr int PP = P + L;  // (the layouts' pairs)
+  const int64_t n32 = xq.K / 32;
+  __m512 acc[PP];
+  for (int p = 0; p < PP; ++p) acc[p] = state[p];
+  __m256 lone = _mm512_castps512_ps256(acc[PP - 1]);
+  __m512 macc = state[PP];
+  KScalesAvx2 k;
+  const uint8_t* end = w + b1 * QT::BYTES;  // (the span's: the next one is read after the other rows')
+  for (int64_t ib = b0; ib < b1; ++ib) {
+    const uint8_t* blk = w + ib * QT::BYTES;
+    if (blk + PREFETCH_BYTES < end)
+      for (int line = 0; line < QT::BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + PREFETCH_BYTES + line, _MM_HINT_T0);
+    kscales_avx2<T>(blk, k);
+    __m512i v[8], s[8];
+#define SPECD_SUB(J) v[J] = both_halves(values_avx2<T>(blk, J)), s[J] = both_halves(lane_element16<J>(k.sc));
+    SPECD_SUB(0) SPECD_SUB(1) SPECD_SUB(2) SPECD_SUB(3) SPECD_SUB(4) SPECD_SUB(5) SPECD_SUB(6) SPECD_SUB(7)
+#undef SPECD_SUB
+    __m512i start = _mm512_setzero_si512();
+    if constexpr (T == Q6_K) {  // q - 32 against x + 128: start from -128 x the sum of sc (q - 32)
+      for (int j = 0; j < 8; ++j)
+        start = add_madd<VNNI>(start, _mm512_maddubs_epi16(_mm512_set1_epi8(static_cast<char>(0x80)), v[j]), s[j]);
+      start = _mm512_sub_epi32(_mm512_setzero_si512(), start);
+    }
+    const __m512 d = _mm512_set1_ps(k.d);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const int64_t at = (p * n32 + ib * 8) * PAIR_BYTES;
+      __m512i isum = start;
+      for (int j = 0; j < 8; ++j) {
+        const __m512i p16 = T == Q6_K ? _mm512_maddubs_epi16(_mm512_loadu_si512(g.xu.data() + at + j * PAIR_BYTES), v[j])
+                                      : _mm512_maddubs_epi16(v[j], _mm512_loadu_si512(g.x.data() + at + j * PAIR_BYTES));
+        isum = add_madd<VNNI>(isum, p16, s[j]);
+      }
+      const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(g.dx2.data() + (ib * PP + p) * 16));
+      acc[p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[p]);
+    }
+    if constexpr (L == 1) {
+      const int64_t at = (P * n32 + ib * 8) * PAIR_BYTES;
+      __m256i isum = low256(start);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            (T == Q6_K ? reinterpret_cast<const char*>(g.xu.data()) : reinterpret_cast<const char*>(g.x.data())) + at +
+            j * PAIR_BYTES));
+        const __m256i p16 = T == Q6_K ? _mm256_maddubs_epi16(x, low256(v[j])) : _mm256_maddubs_epi16(low256(v[j]), x);
+        isum = add_madd256<VNNI>(isum, p16, low256(s[j]));
+      }
+      const __m256 scale = _mm256_mul_ps(_mm512_castps512_ps256(d), _mm256_loadu_ps(g.dx2.data() + (ib * PP + P) * 16));
+      lone = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), lone);
+    }
+    if constexpr (!QT::SIGNED) {  // sum_j m_j (x's sum of sub-block j), 16 rows a register
+      const __m128i m16 = _mm_packs_epi32(_mm256_castsi256_si128(k.m), _mm256_extracti128_si256(k.m, 1));
+      const __m512i mp = _mm512_broadcast_i32x4(m16);  // int32 lane j: (m_2j, m_2j+1)
+      const int32_t* xs = g.xs.data() + ib * 64;
+      __m512i msum = _mm512_setzero_si512();
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs), _mm512_shuffle_epi32(mp, _MM_PERM_AAAA));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 16), _mm512_shuffle_epi32(mp, _MM_PERM_BBBB));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 32), _mm512_shuffle_epi32(mp, _MM_PERM_CCCC));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 48), _mm512_shuffle_epi32(mp, _MM_PERM_DDDD));
+      const __m512 mscale = _mm512_mul_ps(_mm512_set1_ps(-k.dmin), _mm512_loadu_ps(g.dxT.data() + ib * 16));
+      macc = _mm512_fmadd_ps(mscale, _mm512_cvtepi32_ps(msum), macc);
+    }
+  }
+  for (int p = 0; p < P; ++p) state[p] = acc[p];
+  if constexpr (L == 1) state[P] = _mm512_castps256_ps512(lone);
+  state[PP] = macc;
+}
+
+// The same for a 32-weight type (dot_tile_avx512's arithmetic).
+template <int T, bool VNNI, int P, int L>
+void b32_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRows& xq, const RowGroup& g,
+                     __m512* state) {
+  using QT = Q<T>;
+  static_assert(QT::SUBS == 1, "the 32-weight types");
+  constexpr int PP = P + L;
+  const int64_t nblk = xq.K / QT::BLOCK;
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512 acc[PP];
+  for (int p = 0; p < PP; ++p) acc[p] = state[p];
+  __m256 lone = _mm512_castps512_ps256(acc[PP - 1]);
+  __m512 macc = state[PP];
+  const uint8_t* end = w + b1 * QT::BYTES;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = w + b * QT::BYTES;
+    if (blk + PREFETCH_BYTES < end) _mm_prefetch(reinterpret_cast<const char*>(blk) + PREFETCH_BYTES, _MM_HINT_T0);
+    Sub s[1];
+    QT::subs(blk, s);
+    const __m512i v = both_halves(values_avx2<T>(blk, 0));
+    __m512i start = _mm512_setzero_si512();
+    if constexpr (VNNI && QT::SIGNED)
+      start = _mm512_sub_epi32(start, dpbusd(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), v));
+    const __m512 scale = _mm512_set1_ps(s[0].lo);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const int64_t at = (p * nblk + b) * PAIR_BYTES;
+      __m512i sums;
+      if constexpr (VNNI && QT::SIGNED) sums = dpbusd(start, _mm512_loadu_si512(g.xu.data() + at), v);
+      else if constexpr (VNNI) sums = dpbusd(start, v, _mm512_loadu_si512(g.x.data() + at));
+      else sums = _mm512_madd_epi16(products16<QT::SIGNED>(v, _mm512_loadu_si512(g.x.data() + at)), ones);
+      const __m512 sx = _mm512_mul_ps(scale, _mm512_loadu_ps(g.dx2.data() + (b * PP + p) * 16));
+      acc[p] = _mm512_fmadd_ps(sx, _mm512_cvtepi32_ps(sums), acc[p]);
+    }
+    if constexpr (L == 1) {
+      const int64_t at = (P * nblk + b) * PAIR_BYTES;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.x.data() + at));
+      const __m256i xu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xu.data() + at)), v1 = low256(v);
+      __m256i sums;
+      if constexpr (VNNI && QT::SIGNED) sums = dpbusd256(low256(start), xu, v1);
+      else if constexpr (VNNI) sums = dpbusd256(low256(start), v1, x);
+      else if constexpr (QT::SIGNED)  // block32_avx2's sign trick
+        sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(x, v1)),
+                                 _mm256_set1_epi16(1));
+      else sums = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), _mm256_set1_epi16(1));
+      const __m256 sx = _mm256_mul_ps(_mm512_castps512_ps256(scale), _mm256_loadu_ps(g.dx2.data() + (b * PP + P) * 16));
+      lone = _mm256_fmadd_ps(sx, _mm256_cvtepi32_ps(sums), lone);
+    }
+    if constexpr (!QT::SIGNED)
+      macc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(s[0].min), _mm512_loadu_ps(g.dxT.data() + b * 16)),
+                             _mm512_cvtepi32_ps(_mm512_loadu_si512(g.xs.data() + b * 16)), macc);
+  }
+  for (int p = 0; p < P; ++p) state[p] = acc[p];
+  if constexpr (L == 1) state[P] = _mm512_castps256_ps512(lone);
+  state[PP] = macc;
+}
+
+// f(std::integral_constant<int, P>, std::integral_constant<int, L>): a group's rows as P pairs and
+// L lone rows.
+template <class F>
+void with_pairs(int rows, F&& f) {
+  using std::integral_constant;
+  switch (rows) {
+    case 1: return f(integral_constant<int, 0>(), integral_constant<int, 1>());
+    case 2: return f(integral_constant<int, 1>(), integral_constant<int, 0>());
+    case 3: return f(integral_constant<int, 1>(), integral_constant<int, 1>());
+    case 4: return f(integral_constant<int, 2>(), integral_constant<int, 0>());
+    case 5: return f(integral_constant<int, 2>(), integral_constant<int, 1>());
+    case 6: return f(integral_constant<int, 3>(), integral_constant<int, 0>());
+    case 7: return f(integral_constant<int, 3>(), integral_constant<int, 1>());
+    case 8: return f(integral_constant<int, 4>(), integral_constant<int, 0>());
+    case 9: return f(integral_constant<int, 4>(), integral_constant<int, 1>());
+    case 10: return f(integral_constant<int, 5>(), integral_constant<int, 0>());
+    case 11: return f(integral_constant<int, 5>(), integral_constant<int, 1>());
+    case 12: return f(integral_constant<int, 6>(), integral_constant<int, 0>());
+    case 13: return f(integral_constant<int, 6>(), integral_constant<int, 1>());
+    case 14: return f(integral_constant<int, 7>(), integral_constant<int, 0>());
+    case 15: return f(integral_constant<int, 7>(), integral_constant<int, 1>());
+    default: return f(integral_constant<int, 8>(), integral_constant<int, 0>());
+  }
+}
+
+// `cols` weight rows (ldw bytes apart) against a group's rows -> out[rows][ldo]. In spans of K whose
+// paired x stays in L1 (about 24 KB) for all the rows: a whole K of 9 rows was 90 KB of it at the
+// down projection's 8960, read from L2 for each weight row, and no faster than 1-4 rows a pass.
+template <int T, bool VNNI>
+void rows_avx512(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows& xq, const RowGroup& g, float* out,
+                 int64_t ldo) {
+  using QT = Q<T>;
+  const int64_t nblk = xq.K / QT::BLOCK, per = QT::BLOCK / 32;
+  const int64_t span = std::max<int64_t>(1, 24576 / (g.pairs * PAIR_BYTES * per));
+  std::vector<__m512> acc(cols * (g.pairs + 1), _mm512_setzero_ps());
+  with_pairs(g.rows, [&](auto pairs, auto lone) {
+    constexpr int P = decltype(pairs)::value, L = decltype(lone)::value;
+    for (int64_t b0 = 0; b0 < nblk; b0 += span)
+      for (int64_t c = 0; c < cols; ++c) {
+        __m512* a = acc.data() + c * (g.pairs + 1);
+        const int64_t b1 = std::min(nblk, b0 + span);
+        if constexpr (QT::BLOCK == 256) k_rows_avx512<T, VNNI, P, L>(w + c * ldw, b0, b1, xq, g, a);
+        else b32_rows_avx512<T, VNNI, P, L>(w + c * ldw, b0, b1, xq, g, a);
+      }
+  });
+  for (int64_t c = 0; c < cols; ++c) {
+    const __m512* a = acc.data() + c * (g.pairs + 1);
+    store_rows(a, a[g.pairs], g.rows, out + c, ldo);
+  }
+}
+
 
 #endif
 
 
 constexpr int ROWS = 4;  // rows of x per pass over the weight rows
+constexpr int64_t MANY_ROWS = 2;  // from this many rows on, the AVX-512 build takes the many-row kernels
 
 // f(std::integral_constant<int, R>) for R = rows (1 .. ROWS): the kernels take R as a template argument.
 template <class F>
@@ -754,6 +1075,15 @@ void with_rows(int rows, F&& f) {
 template <int T>
 void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows& xq, int64_t M, float* out,
                int64_t ldo) {
+#if defined(SPECD_AVX512)
+  if (!xq.groups.empty()) {  // a verify block or more: each weight block once for up to 16 rows
+    for (const RowGroup& g : xq.groups) {
+      if (has_avx512_vnni()) rows_avx512<T, true>(w, ldw, cols, xq, g, out + g.r0 * ldo, ldo);
+      else rows_avx512<T, false>(w, ldw, cols, xq, g, out + g.r0 * ldo, ldo);
+    }
+    return;
+  }
+#endif
   for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
     const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
     float* o = out + r0 * ldo;
@@ -853,8 +1183,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   // x in groups of 32 for the 32-weight types, of 256 for the k-quants: each only where a part needs it
   bool any32 = false, any256 = false;
   for (const Segment& s : p.segments) (s.type >= Q4_K ? any256 : any32) = true;
-  const QuantizedRows x32 = any32 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 32) : QuantizedRows();
-  const QuantizedRows x256 = any256 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 256) : QuantizedRows();
+  QuantizedRows x32 = any32 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 32) : QuantizedRows();
+  QuantizedRows x256 = any256 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 256) : QuantizedRows();
+#if defined(SPECD_AVX512)
+  if (M >= MANY_ROWS && !portable()) {
+    for (QuantizedRows* xq : {&x32, &x256}) {
+      if (xq->q.empty()) continue;
+      xq->groups = row_groups(*xq, M);
+    }
+  }
+#endif
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   bf16* yb = float_out ? nullptr : y.data_ptr<bf16>();
   // Work items: chunks of 16 output columns; each computes its columns for all rows, segment by

@@ -82,6 +82,29 @@ def test_matmul_matches_the_dequantized_weight(tmp_path, qtype):
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_a_rows_bits_are_the_same_alone_and_in_any_block(tmp_path, qtype):
+    """Blocks of 2-16 rows (a verify block) and more (prefill) take the many-row kernels on AVX-512:
+    a row's bits there are its bits alone, which the 1-row kernel computes as before (and the
+    portable path, test_the_portable_path_gives_the_simd_paths_bits). K = 4608: the kernels take a
+    weight row in spans of K (3 at 16 rows, 2 at 9); 17 and 35 rows: groups of 16 and the rest."""
+    k = 4608
+    p = packed_from(tmp_path, [(qtype, blocks(qtype, 21, k))])
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(35, k, generator=g) * torch.rand(35, 1, generator=g) * 4).bfloat16()
+    x[7, :300] = 0  # an all-zero group of x (scale 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([torch.ops.specd_cpu.quant_linear(x[r:r + 1], p, None, True) for r in range(len(x))])
+        torch.set_num_threads(2)
+        for start, m in [(0, 2), (0, 3), (1, 5), (0, 8), (2, 9), (0, 16), (3, 17), (0, 35)]:
+            assert torch.equal(torch.ops.specd_cpu.quant_linear(x[start:start + m], p, None, True),
+                               alone[start:start + m]), (start, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_bits_do_not_depend_on_the_row_count_or_threads(tmp_path, threads):
     parts = [(Q.Q5_0, blocks(Q.Q5_0, 30, 256)), (Q.Q4_K, blocks(Q.Q4_K, 20, 256)), (Q.Q6_K, blocks(Q.Q6_K, 17, 256))]
@@ -155,9 +178,9 @@ torch.save([torch.ops.specd_cpu.quant_linear(x, q, None, True) for q, x in torch
 @pytest.mark.parametrize("other", ["SPECD_QUANT_PORTABLE", "SPECD_CPU_VNNI"])
 def test_the_portable_path_gives_the_simd_paths_bits(tmp_path, other):
     """SPECD_QUANT_PORTABLE=1: the plain C++ that a CPU without AVX2 would run, bit for bit, against
-    this build's AVX2 or AVX-512 path; 544 = 17 blocks of 32, an odd count (the AVX-512 path takes
-    blocks in pairs). SPECD_CPU_VNNI=0: the AVX-512 path without AVX512-VNNI's dot product, against
-    this CPU's with it."""
+    this build's AVX2 or AVX-512 path (11 rows: the AVX-512 build's many-row kernels); 544 = 17
+    blocks of 32, an odd count (the AVX-512 1-4 row path takes blocks in pairs). SPECD_CPU_VNNI=0:
+    the AVX-512 path without AVX512-VNNI's dot products, against this CPU's with them."""
     if cpu_ops.isa() is None:
         pytest.skip("no SIMD build here")
     if other == "SPECD_CPU_VNNI" and not (cpu_ops.isa() == "avx512" and "avx512_vnni" in cpu_ops.cpu_flags()):
@@ -166,7 +189,7 @@ def test_the_portable_path_gives_the_simd_paths_bits(tmp_path, other):
     packs = [packed_from(tmp_path / f"{q.name}-{k}", [(q, blocks(q, 19, k))]) for q, k in cases
              if (tmp_path / f"{q.name}-{k}").mkdir() is None]
     g = torch.Generator().manual_seed(5)
-    xs = {k: torch.randn(6, k, generator=g).bfloat16() for k in (512, 544)}
+    xs = {k: torch.randn(11, k, generator=g).bfloat16() for k in (512, 544)}  # 11: pairs of rows and a lone one
     inputs = [(p, xs[k]) for p, (_, k) in zip(packs, cases)]
     torch.save(inputs, tmp_path / "in.pt")
     script = tmp_path / "run.py"
