@@ -197,8 +197,10 @@ class Gateway:
                 f"{r.address}: {why}" for r, why in zip(replicas, whys))).response()
         if single:
             return JSONResponse({"status": "ok"})
+        now = time.monotonic()
         return JSONResponse({"status": "degraded" if any(whys) else "ok", "replicas": [
-            {"replica": r.index, "address": r.address, "healthy": not why, **({"error": why} if why else {}),
+            {"replica": r.index, "address": r.address, "healthy": not why,
+             **({"error": why, "down_for_s": round(now - (r.down_since or now), 1)} if why else {}),
              "requests": r.load.num_requests, "waiting": r.load.num_waiting, "kv_use": round(r.kv_use(), 4)}
             for r, why in zip(replicas, whys)]})
 

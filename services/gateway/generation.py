@@ -120,6 +120,11 @@ async def generate(replicas: ReplicaSet, tokenizer: Tokenizer, job: Job,
         raise APIError(502, "the verifier ended the stream without a finish reason")
     except grpc.aio.AioRpcError as e:
         raise from_grpc(e) from None
+    except APIError:
+        raise
+    except Exception as e:  # a stream still ends with an error event, never cut without one
+        log.exception("request %s failed", job.request_id)
+        raise APIError(500, f"internal error: {type(e).__name__}") from e
     finally:
         timer.finish(completed)
 
@@ -196,13 +201,14 @@ class _chunks:
                     yield chunk
             except grpc.aio.AioRpcError as e:
                 code = e.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    # Mid-stream too: new requests go around it now, not after the next poll.
+                    self.replicas.lost(replica, e.details() or code.name)
                 last = attempt == attempts - 1
                 if received or code not in _MOVABLE or last:
                     raise
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(tried) == len(self.replicas.replicas):
                     raise  # every replica's queue is full: the client's 429
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.replicas.lost(replica, e.details() or code.name)
                 self.metrics.replica_failovers.labels(label).inc()
                 log.warning("request %s: verifier %s %s before the first token (%s); trying again",
                             job.request_id, replica.address, code.name, e.details())

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import logging
 import socket
+import time
 from array import array
 
 import grpc
@@ -66,6 +67,7 @@ class Replica:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = True  # optimistic until the first poll: startup waited for one replica's Info
         self.why = ""  # why not healthy
+        self.down_since: float | None = None  # time.monotonic() when it was found not healthy
         self.load = verifier_pb2.Load()
         self.in_flight = 0  # this gateway's Generate calls on it
         self.mismatch = ""  # why its last Info rules it out whatever its health (another vocabulary)
@@ -228,6 +230,10 @@ class ReplicaSet:
     def _set_health(self, replica: Replica, why: str) -> None:
         if replica not in self.replicas:
             return  # gone from discovery while it was polled
+        if why and replica.down_since is None:
+            replica.down_since = time.monotonic()
+        elif not why:
+            replica.down_since = None
         replica.healthy, replica.why = not why, why
         self.metrics.replica_healthy.labels(replica.address).set(0 if why else 1)
 
