@@ -19,7 +19,10 @@
 #         bash bench/build_llamacpp.sh --with-models  # also: converter venv + GGUFs:
 #             $TARGET_HF_DIR (default: the fetched default target, `specd models path target`) -> models/<name>-f32.gguf, -bf16.gguf,
 #             Q8_0 and Q4_K_M quantized from the f32 one (llama-quantize),
-#             and a 2-layer stand-in draft (truncated target) -> models/draft-2l-f32.gguf
+#             a 2-layer stand-in draft (truncated target) -> models/draft-2l-f32.gguf,
+#             and $DRAFTER_HF_DIR (default: the default target's trained drafter, `specd models path drafter`,
+#             distilled from the target on its own answers) -> models/<name>-drafter-Q8_0.gguf: with the Q4_K_M
+#             target, a GGUF pair as llama.cpp users run speculation (bench/real_pair_gguf.py)
 #
 # The converter (convert_hf_to_gguf.py, vendored in the sdist) needs torch,
 # transformers, numpy and sentencepiece. venv-convert/ is a small venv that
@@ -62,6 +65,7 @@ esac
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONVERT_BASE_PYTHON="${CONVERT_BASE_PYTHON:-$REPO_ROOT/.venv/bin/python}"
 TARGET_HF_DIR="${TARGET_HF_DIR:-$("$REPO_ROOT/.venv/bin/specd" models path target 2>/dev/null || echo /nonexistent)}"
+DRAFTER_HF_DIR="${DRAFTER_HF_DIR:-$("$REPO_ROOT/.venv/bin/specd" models path drafter 2>/dev/null || echo /nonexistent)}"
 SENTENCEPIECE_SPEC="sentencepiece>=0.1.98,<0.3.0"
 
 log() { echo "[build_llamacpp] $*" >&2; }
@@ -181,6 +185,12 @@ if [[ -n "$WITH_MODELS" ]]; then
                 --out "$MODELS/draft-2l-f32.gguf" --outtype f32 --python "$VENV/bin/python" >&2
         fi
         log "stand-in draft GGUF: $MODELS/draft-2l-f32.gguf"
+        if [[ -f "$DRAFTER_HF_DIR/config.json" && ! -s "$MODELS/$name-drafter-Q8_0.gguf" ]]; then
+            log "converting the trained drafter $DRAFTER_HF_DIR -> $MODELS/$name-drafter-Q8_0.gguf"
+            "$VENV/bin/python" "$REPO_ROOT/bench/llamacpp.py" convert --hf-dir "$DRAFTER_HF_DIR" \
+                --out "$MODELS/$name-drafter-Q8_0.gguf" --outtype q8_0 --python "$VENV/bin/python" >&2
+        fi
+        [[ -s "$MODELS/$name-drafter-Q8_0.gguf" ]] && log "trained draft GGUF (Q8_0): $MODELS/$name-drafter-Q8_0.gguf"
     else
         log "TARGET_HF_DIR=$TARGET_HF_DIR has no config.json; skipping GGUF conversion"
     fi
