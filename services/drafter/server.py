@@ -28,7 +28,7 @@ from specd.proposers.base import ProposeRequest, feature_rows
 from specd.rpc.grpc_server import compute_thread
 from specd.rpc.telemetry import context_from_traceparent, tracer
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
-from specd.rpc.wire import tensor_from_proto
+from specd.rpc.wire import proposal_to_proto, propose_request_from_proto, tensor_from_proto
 
 log = logging.getLogger("specd.drafter")
 _tracer = tracer("specd.drafter")
@@ -172,10 +172,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     if p is None:  # beyond our limits (no drafts, no state) or unknown here (resync)
                         out.proposals.add(seq_id=entry.seq_id, resync=i in unknown)
                         continue
-                    msg = out.proposals.add(seq_id=entry.seq_id, token_ids=p.token_ids, resync=p.resync,
-                                            history_held=p.history_held, cached=p.cached, parents=p.parents or [])
-                    for ids, probs in zip(p.q_ids or [], p.q_probs or []):
-                        msg.q.add(ids=ids, probs=probs)
+                    proposal_to_proto(out, entry.seq_id, p)
                 num_drafts = sum(len(p.token_ids) for p in proposals)
                 if self.metrics is not None:
                     self.metrics.observe_batch(len(batch.entries), num_drafts, (time.perf_counter_ns() - t0) / 1e9)
@@ -205,13 +202,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return requests, answered, unknown
 
     def _request(self, client: str, e: drafter_pb2.ProposeEntry, features=None) -> ProposeRequest:
-        return ProposeRequest(seq_id=self.keys.get(client, e.seq_id, e.num_tokens), new_tokens=list(e.new_tokens),
-                              num_tokens=e.num_tokens, k=min(e.k, self.limits.max_k), full_history=e.full_history,
-                              temperature=e.temperature, seed=e.seed if e.HasField("seed") else None,
-                              num_prompt_tokens=e.num_prompt_tokens or None, features=features,
-                              structured_outputs=e.structured_outputs or None,
-                              features_from=e.features_from if e.full_history else 0,
-                              cache_output=e.cache_output if e.HasField("cache_output") else True)
+        return propose_request_from_proto(e, self.keys.get(client, e.seq_id, e.num_tokens), min(e.k, self.limits.max_k),
+                                          features)
 
     def _features(self, e: drafter_pb2.ProposeEntry):
         """The entry's hidden states (None when this drafter takes none), or False when they are

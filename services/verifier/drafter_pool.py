@@ -31,7 +31,7 @@ from specd.proposers.base import Proposal, ProposeRequest
 from specd.rpc.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
 from specd.verifier.drafter_client import DrafterClient, FeatureTarget
-from specd.rpc.wire import MAX_FEATURE_BYTES, tensor_to_proto
+from specd.rpc.wire import MAX_FEATURE_BYTES, proposal_from_proto, propose_entry_to_proto
 
 log = logging.getLogger("specd.verifier.pool")
 
@@ -304,12 +304,12 @@ class DrafterPool:
                 lead = drafter_pb2.ProposeBatch(client_id=self.client_id)
                 for p in pieces:
                     if depth < len(p) - 1:
-                        feature_bytes += _add_entry(lead, p[depth], 0)
+                        feature_bytes += propose_entry_to_proto(lead, p[depth], 0)
                 for p in (await client.round_trip(lead, background=background)).proposals:
                     if p.resync and p.history_held:
                         held.setdefault(p.seq_id, p.history_held)
             for p in pieces:
-                feature_bytes += _add_entry(batch, p[-1], min(p[-1].k, client.max_k))
+                feature_bytes += propose_entry_to_proto(batch, p[-1], min(p[-1].k, client.max_k))
             if self.metrics is not None and feature_bytes:
                 self.metrics.propose_feature_bytes.labels(client.name).inc(feature_bytes)
             t0 = time.perf_counter()
@@ -344,33 +344,11 @@ class DrafterPool:
                 violations += 1
                 continue
             seen.add(p.seq_id)
-            tree, use_q = len(p.parents) > 0, client.trusted and len(p.q) > 0
-            out.append(Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
-                                q_ids=[list(d.ids) for d in p.q] if use_q else None,
-                                q_probs=[list(d.probs) for d in p.q] if use_q else None,
-                                parents=list(p.parents) if tree else None,
-                                resync=p.resync, history_held=p.history_held, drafter=client.name,
-                                cached=p.cached))
+            out.append(proposal_from_proto(p, client.name, use_q=client.trusted and len(p.q) > 0))
         if violations:
             client.violations += violations
             log.warning("drafter %s: %d proposal(s) out of bounds dropped", client.name, violations)
         return out
-
-
-def _add_entry(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> int:
-    """Add r to the batch; the bytes of target features it carries."""
-    entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
-                              full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
-                              temperature=r.temperature, structured_outputs=r.structured_outputs or "",
-                              features_from=r.features_from if r.full_history else 0)
-    if r.seed is not None:
-        entry.seed = r.seed
-    if r.full_history and not r.cache_output:
-        entry.cache_output = False
-    if r.features is None:
-        return 0
-    tensor_to_proto(r.features, entry.features)
-    return len(entry.features.data)
 
 
 def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | None = None) -> list[ProposeRequest]:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 
+from specd.engine.proposal import Proposal, ProposeRequest
 from specd.sampling import SamplingParams
 from specd.structured import StructuredOutput
-from specd.v1 import verifier_pb2
+from specd.v1 import drafter_pb2, verifier_pb2
 
 
 def params_to_proto(p: SamplingParams, drafter: str = "") -> verifier_pb2.SamplingParams:
@@ -124,3 +125,51 @@ def tokenizer_files(chunks) -> tuple[dict[str, bytes], str]:
     if len(hashes) > 1:
         raise ValueError("tokenizer chunks name different vocabularies")
     return {name: bytes(data) for name, data in files.items()}, next(iter(hashes), "")
+
+
+# -- the drafter hop: ProposeRequest -> ProposeEntry (verifier) -> ProposeRequest (drafter), and
+# Proposal -> the proto's Proposal (drafter) -> Proposal (verifier)
+
+def propose_entry_to_proto(batch: drafter_pb2.ProposeBatch, r: ProposeRequest, k: int) -> int:
+    """r as an entry of batch, asking k drafts; the bytes of target features it carries."""
+    entry = batch.entries.add(seq_id=r.seq_id, new_tokens=r.new_tokens, num_tokens=r.num_tokens, k=k,
+                              full_history=r.full_history, num_prompt_tokens=r.num_prompt_tokens or 0,
+                              temperature=r.temperature, structured_outputs=r.structured_outputs or "",
+                              features_from=r.features_from if r.full_history else 0)
+    if r.seed is not None:
+        entry.seed = r.seed
+    if r.full_history and not r.cache_output:
+        entry.cache_output = False
+    if r.features is None:
+        return 0
+    tensor_to_proto(r.features, entry.features)
+    return len(entry.features.data)
+
+
+def propose_request_from_proto(e: drafter_pb2.ProposeEntry, seq_id: int, k: int, features=None) -> ProposeRequest:
+    """A drafter's view of an entry: seq_id its own key for the sequence, k within its limit,
+    features already read and checked (propose_entry_to_proto's inverse for the rest)."""
+    return ProposeRequest(seq_id=seq_id, new_tokens=list(e.new_tokens), num_tokens=e.num_tokens, k=k,
+                          full_history=e.full_history, temperature=e.temperature,
+                          seed=e.seed if e.HasField("seed") else None, num_prompt_tokens=e.num_prompt_tokens or None,
+                          features=features, structured_outputs=e.structured_outputs or None,
+                          features_from=e.features_from if e.full_history else 0,
+                          cache_output=e.cache_output if e.HasField("cache_output") else True)
+
+
+def proposal_to_proto(out: drafter_pb2.ProposalBatch, seq_id: int, p: Proposal) -> None:
+    """p as the proposal for the verifier's sequence seq_id in out."""
+    msg = out.proposals.add(seq_id=seq_id, token_ids=p.token_ids, resync=p.resync, history_held=p.history_held,
+                            cached=p.cached, parents=p.parents or [])
+    for ids, probs in zip(p.q_ids or [], p.q_probs or []):
+        msg.q.add(ids=ids, probs=probs)
+
+
+def proposal_from_proto(p: drafter_pb2.Proposal, drafter: str, use_q: bool) -> Proposal:
+    """A drafter's proposal (already checked within bounds); its sparse q only with use_q (a trusted
+    drafter's), else None: the drafts are then verified as one-hot."""
+    return Proposal(seq_id=p.seq_id, token_ids=list(p.token_ids),
+                    q_ids=[list(d.ids) for d in p.q] if use_q else None,
+                    q_probs=[list(d.probs) for d in p.q] if use_q else None,
+                    parents=list(p.parents) if len(p.parents) else None,
+                    resync=p.resync, history_held=p.history_held, drafter=drafter, cached=p.cached)
