@@ -24,8 +24,9 @@ from specd.models.tokenizer import Tokenizer
 
 from . import admin, tools
 from .config import GatewayConfig, ModelInfo
-from .errors import APIError, bad_request, overloaded
+from .errors import SHED, APIError, bad_request, overloaded
 from .generation import Job, Step, generate
+from .limits import BodyDeadline
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .replicas import ReplicaSet
 from .prompts import check_prompt_size, chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
@@ -276,13 +277,14 @@ class LimitConcurrency:
     """At most `limit` generation (and tokenize) requests in the gateway at once (a streamed one
     counts until its last byte); the next are answered 429 with Retry-After before their body is read."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit, self.active = app, limit, 0
+    def __init__(self, app, limit: int, metrics: GatewayMetrics):
+        self.app, self.limit, self.metrics, self.active = app, limit, metrics, 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in TRACED_PATHS + TOKENIZE_PATHS:
             return await self.app(scope, receive, send)
         if self.active >= self.limit:
+            self.metrics.rejected.labels("overloaded").inc()
             response = overloaded(f"the gateway is handling {self.active} requests (the limit is {self.limit}); "
                                   "retry later").response()
             return await response(scope, receive, send)
@@ -361,8 +363,16 @@ def require_key(key: str | None, handler: Handler) -> Handler:
     return guarded
 
 
-async def _api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
+def _api_error(metrics: GatewayMetrics) -> Callable[[Request, APIError], Awaitable[Response]]:
+    async def answer(request: Request, exc: APIError) -> Response:
+        response = exc.response()
+        if exc.status in SHED:
+            metrics.rejected.labels(exc.reason).inc()
+        if exc.status in (408, 413):  # the rest of the body is never read: not worth the connection
+            response.headers["Connection"] = "close"
+        return response
+
+    return answer
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -396,8 +406,13 @@ def build_app(config: GatewayConfig, model: ModelInfo, tokenizer: Tokenizer) -> 
         Route("/admin/drafters", guard_admin(drafters.register), methods=["POST"]),
         Route("/admin/drafters/{name}", guard_admin(drafters.remove), methods=["DELETE"]),
     ]
-    return Starlette(routes=routes, lifespan=gw.lifespan,
+    app = Starlette(routes=routes, lifespan=gw.lifespan,
                     middleware=[Middleware(CountRequests, metrics=gw.metrics), Middleware(TraceRequests),
-                                Middleware(LimitConcurrency, limit=config.max_concurrent_requests)],
-                    exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
-                                        ClientDisconnect: _client_gone, Exception: _internal_error})
+                                Middleware(LimitConcurrency, limit=config.max_concurrent_requests,
+                                           metrics=gw.metrics),
+                                Middleware(BodyDeadline, timeout_s=config.body_timeout_s)],
+                    exception_handlers={APIError: _api_error(gw.metrics), HTTPException: _http_error,
+                                        ClientGone: _client_gone, ClientDisconnect: _client_gone,
+                                        Exception: _internal_error})
+    app.state.metrics = gw.metrics  # for the HTTP protocol's limits (limits.guarded_protocol)
+    return app

@@ -30,6 +30,9 @@ class GatewayConfig:
     verifier_retry_s: float = 15.0  # a request the verifier was lost under before its first token waits this
                                     # long for it to be back (then tried again), else 503
     routing: str = "prefix"  # without a session key: "prefix" (where its prompt's KV likely is) or "least-loaded"
+    max_connections: int = 4096  # open HTTP connections; requests on more get 503 (bounded memory and descriptors)
+    header_timeout_s: float = 10.0  # a connection's request headers complete within this, else it is closed
+    body_timeout_s: float = 30.0  # a request's body all in within this of its headers, else 408
 
     verifiers: list[str] = field(init=False)  # the replicas, in order (derived from `verifier`)
 
@@ -50,9 +53,12 @@ class GatewayConfig:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.open_admin and self.admin_key:
             raise ValueError("--open-admin serves /admin/* without a key; it cannot be combined with --admin-key")
-        for name in ("request_timeout_s", "verifier_timeout_s", "verifier_retry_s"):
+        for name in ("request_timeout_s", "verifier_timeout_s", "verifier_retry_s", "header_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
         if self.routing not in ROUTINGS:

@@ -9,15 +9,24 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}
 
 
+# Statuses that shed load, each counted (specd_gateway_rejected_total) by reason; the reason of an
+# error without one of its own, by status. 429 and 503 always carry Retry-After.
+SHED = {408: "timeout", 413: "body_too_large", 429: "overloaded", 503: "unavailable"}
+RETRY_AFTER = (429, 503)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, reason: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
+        if status in RETRY_AFTER and not any(k.lower() == "retry-after" for k in self.headers):
+            self.headers["Retry-After"] = "1"
+        self.reason = reason or code or SHED.get(status)  # the metric's label when the status sheds load
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
@@ -27,9 +36,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+def overloaded(message: str, retry_after_s: int = 1, reason: str = "overloaded") -> APIError:
     """429 with Retry-After, as OpenAI's rate limits answer."""
-    return APIError(429, message, code="overloaded", headers={"Retry-After": str(max(1, retry_after_s))})
+    return APIError(429, message, code="overloaded", headers={"Retry-After": str(max(1, retry_after_s))},
+                    reason=reason)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -55,5 +65,6 @@ def from_grpc(err) -> APIError:
     details = err.details() or name
     if status == 429:
         retry = next((v for k, v in (err.trailing_metadata() or ()) if k == "retry-after"), "1")
-        return overloaded(details, int(retry) if str(retry).isdigit() else 1)
-    return APIError(status, details if status < 500 else f"verifier: {name}: {details}")
+        return overloaded(details, int(retry) if str(retry).isdigit() else 1, reason="verifier_overloaded")
+    return APIError(status, details if status < 500 else f"verifier: {name}: {details}",
+                    reason="verifier_unavailable" if status == 503 else None)

@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "back, to be sent again (503 past it)")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="generations handled at once; more are answered 429 with Retry-After")
+    parser.add_argument("--max-connections", type=int, default=4096,
+                        help="open HTTP connections; requests on more are answered 503 with Retry-After (the "
+                             "open-file limit is raised to fit, or this lowered to it)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection has to send its request headers (from its opening or the "
+                             "request's first byte); then it is closed (slowloris)")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request has to send its whole body after its headers (408 past it)")
     parser.add_argument("--routing", default="prefix", choices=ROUTINGS,
                         help="replicas for requests without a session: prefix (the replica likely to hold the "
                              "prompt's first 512 tokens' KV, unless it has over 4 requests more pending than the "
@@ -70,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
                            verifier_wait_s=args.verifier_wait, security=auth.from_args(args),
                            request_timeout_s=args.request_timeout, verifier_timeout_s=args.verifier_timeout,
                            max_concurrent_requests=args.max_concurrent_requests,
-                           verifier_retry_s=args.verifier_retry, routing=args.routing)
+                           verifier_retry_s=args.verifier_retry, routing=args.routing,
+                           max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                           body_timeout_s=args.body_timeout)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("specd-gateway")  # off unless OTEL_EXPORTER_OTLP_ENDPOINT (or SPECD_TRACE_FILE) is set
     # uvicorn.Server.serve() on a uvloop loop: the startup Info call and the app share that loop.
@@ -82,6 +92,7 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
     import uvicorn
 
     from .app import build_app
+    from .limits import connection_limit, guarded_protocol
 
     info, address = await wait_for_any_info(config.verifiers, config.verifier_wait_s, config.security)
     local = config.tokenizer or info.model
@@ -97,7 +108,9 @@ async def _serve(config: GatewayConfig, log_level: str, ssl_certfile: str | None
     # Idle keep-alive connections live 75 s (nginx's default), not uvicorn's 5: a client's pool that
     # pauses between bursts (a batch of requests, then the next) otherwise reuses connections the
     # server is closing that very moment ("Server disconnected without sending a response").
-    server = uvicorn.Server(uvicorn.Config(build_app(config, model, tokenizer), host=config.host, port=config.port,
+    app = build_app(config, model, tokenizer)
+    protocol = guarded_protocol(config.header_timeout_s, connection_limit(config.max_connections), app.state.metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, http=protocol,
                                            log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=75,
                                            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
     freeze_startup_heap("gateway")

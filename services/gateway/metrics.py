@@ -40,6 +40,14 @@ class GatewayMetrics:
                               "count too) by reason: session (its key), prefix (where its prompt's KV likely "
                               "is), prefix_overloaded (that replica too busy or its KV full), least_loaded (no "
                               "key, or --routing least-loaded)", ["reason"], registry=self.registry)
+        self.rejected = Counter("specd_gateway_rejected", "Requests and connections refused or cut by a limit, "
+                                "by reason: overloaded (--max-concurrent-requests, 429), verifier_overloaded "
+                                "(every replica's queue full, 429), body_too_large (413), body_timeout (408), "
+                                "too_many_connections (--max-connections, 503), header_timeout (a connection "
+                                "closed: no request headers within --header-timeout), verifier_unavailable and "
+                                "verifier_stalled (503)", ["reason"], registry=self.registry)
+        self.connections = Gauge("specd_gateway_http_connections", "Open HTTP connections",
+                                 registry=self.registry)
         self.replica_healthy = Gauge("specd_gateway_replica_healthy", "1 while a replica serves (polled "
                                      "health and Info), else 0", ["replica"], registry=self.registry)
 
