@@ -127,7 +127,8 @@ def test_sigkill_under_16_streams(stack, reference):
 
     victim.proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    while _per_replica(stack["base"], "specd_gateway_replica_healthy").get(victim.address) != 0:  # routing follows this gauge
+    # Routing follows the gauge: the dead replica gets no new request once it is 0.
+    while _per_replica(stack["base"], "specd_gateway_replica_healthy").get(victim.address) != 0:
         assert time.monotonic() - killed < NOTICE_S, "the gateway still routes to the dead replica"
         time.sleep(0.02)
     noticed = time.monotonic() - killed
