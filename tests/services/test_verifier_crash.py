@@ -1,9 +1,10 @@
 """A verifier replica SIGKILLed under 16 open streams (issue 70, item 2), on real processes through
-the official `openai` client: every stream ends within BOUND_S of the kill, those on the survivor
-complete with the offline engine's greedy text, those on the dead replica end with an OpenAI error
-event and [DONE] after a true prefix of it (no token lost or sent twice), non-streamed requests in
-flight there get a 5xx OpenAI error, the gateway stops routing to the dead replica within a second
-and its /health names it, and new requests are served by the survivor.
+the official `openai` client: no request hangs. Those on the dead replica are answered within
+ERROR_S of the kill, the streams with an OpenAI error event and [DONE] after a true prefix of the
+offline engine's greedy text (no token lost or sent twice), the non-streamed ones with a 5xx
+OpenAI error; those on the survivor complete with that greedy text (within BOUND_S); the gateway
+stops routing to the dead replica within a second and its /health names it; new requests are served
+by the survivor.
 
 Shown able to fail (2026-12-02): with the gateway's SSE body swallowing the error (`_sse` in
 services/gateway/app.py yielding nothing in its `except APIError`), the 8 streams on the killed
@@ -26,10 +27,11 @@ from specd.models.demo_paths import demo_model_dir
 from specd.sampling import SamplingParams
 
 MODEL_DIR = demo_model_dir("target")
-N = 160  # tokens per request: long enough that every stream is mid-way at the kill
+N = 256  # tokens per request: long enough that every stream is mid-way at the kill, on a loaded machine too
 STREAMS = 16  # 8 pinned to each replica
 WHOLE = 2  # non-streamed requests pinned to each replica
-BOUND_S = 10.0  # every request ends within this of the kill
+ERROR_S = 5.0  # the dead replica's requests are answered (an error event, a 5xx) within this of the kill
+BOUND_S = 30.0  # every request ends within this of the kill (the survivor's: how fast it decodes the rest)
 NOTICE_S = 1.0  # the gateway stops routing to the dead replica within this
 PROMPTS = [f"item {i}: the list [{i}, {i + 2}, {i + 4}," for i in range(STREAMS + 2 * WHOLE)]
 BODY = dict(max_tokens=N, temperature=0, extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 0}})
@@ -75,6 +77,7 @@ def _stream(stack, prompt: str, session: str, record: dict) -> None:
         record["replica"] = int(raw.headers["x-specd-replica"])
         for chunk in raw.parse():
             for choice in chunk.choices:
+                record["first"] = record.get("first") or time.monotonic()
                 record["text"] += choice.text
                 record["finish"] = choice.finish_reason or record["finish"]
     except openai.APIStatusError as e:  # an HTTP status, not an event
@@ -121,9 +124,12 @@ def test_sigkill_under_16_streams(stack, reference):
     deadline = time.monotonic() + 120
     while not all(r["text"] for r in streams):  # every stream mid-way
         assert time.monotonic() < deadline, [(r["replica"], len(r["text"]), r["cut"]) for r in streams]
-        assert all(r["end"] is None for r in streams), "a stream ended before the kill: raise N"
+        assert all(r["end"] is None for r in streams), ("a stream ended before the kill: raise N",
+                                                        [(r["replica"], len(r["text"]), r["cut"]) for r in streams])
         time.sleep(0.01)
     assert [r["replica"] for r in streams] == [0, 1] * (STREAMS // 2)
+    spread = max(r["first"] for r in streams) - min(r["first"] for r in streams)
+    lengths = sorted(len(r["text"]) for r in streams)
 
     victim.proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -152,7 +158,7 @@ def test_sigkill_under_16_streams(stack, reference):
     hung = [(r["prompt"], r["replica"], len(r["text"])) for r, thread in jobs if thread.is_alive()]
     assert not hung, f"requests still open {BOUND_S} s after the kill: {hung}"
     for r, _ in jobs:
-        assert r["end"] - killed < BOUND_S and r["cut"] is None, r
+        assert r["end"] - killed < (BOUND_S if r["pin"] == 0 else ERROR_S) and r["cut"] is None, r
         if r["pin"] == 0:  # the survivor's: whole and exact
             assert r["replica"] == 0 and r["error"] is None and r["text"] == reference[r["prompt"]], r
         elif r["streamed"]:  # the victim's streams: an error event after a true prefix, nothing more
@@ -162,7 +168,8 @@ def test_sigkill_under_16_streams(stack, reference):
         else:  # the victim's non-streamed requests: a 5xx OpenAI error
             assert r["status"] in (502, 503) and r["error"]["type"] == "server_error", r
     victims = [r for r in streams if r["pin"] == 1]
-    print(f"\ngateway noticed the dead replica after {noticed:.3f} s, /health named it after {named:.3f} s; "
+    print(f"\nfirst tokens within {spread:.2f} s, characters per stream at the kill {lengths[0]}-{lengths[-1]}; "
+          f"gateway noticed the dead replica after {noticed:.3f} s, /health named it after {named:.3f} s; "
           f"error events {max(r['end'] for r in victims) - killed:.3f} s after the kill at the latest; "
           f"survivors done after {max(r['end'] for r in streams if r['pin'] == 0) - killed:.3f} s")
     # Still serving: new requests keep going to the survivor, greedy and whole.
