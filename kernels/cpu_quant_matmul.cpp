@@ -28,11 +28,6 @@
 
 #include "cpu_simd.h"
 
-#if defined(SPECD_EMULATE_AVX512)  // SIMDe 0.7.4 has no alias of it: GCC's native one would not inline
-#undef _mm512_cvtepi32_ps
-#define _mm512_cvtepi32_ps(a) simde_mm512_cvtepi32_ps(a)
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -835,6 +830,14 @@ inline __m512i add_madd(__m512i acc, __m512i p, __m512i s) {
   }
 }
 inline __m512i both_halves(__m256i v) { return join(v, v); }
+inline __m512 to_float(__m512i v) {  // int32 -> float32 per lane
+#if defined(SPECD_EMULATE_AVX512)  // (SIMDe 0.7.4 has no 512-bit form: two 256-bit ones, the same values)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm512_castsi512_si256(v)), hi = _mm256_cvtepi32_ps(high_half(v));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+#else
+  return _mm512_cvtepi32_ps(v);
+#endif
+}
 
 // Row r's result: its eight lanes in reduce8's tree, plus its min term.
 inline void store_rows(const __m512* acc, __m512 macc, int rows, float* out, int64_t ldo) {
@@ -912,7 +915,7 @@ void k_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRows
         isum = add_madd<VNNI>(isum, p16, s[j]);
       }
       const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(g.dx2.data() + (ib * PP + p) * 16));
-      acc[p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[p]);
+      acc[p] = _mm512_fmadd_ps(scale, to_float(isum), acc[p]);
     }
     if constexpr (L == 1) {
       const int64_t at = (P * n32 + ib * 8) * PAIR_BYTES;
@@ -929,15 +932,14 @@ void k_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRows
     }
     if constexpr (!QT::SIGNED) {  // sum_j m_j (x's sum of sub-block j), 16 rows a register
       const __m128i m16 = _mm_packs_epi32(_mm256_castsi256_si128(k.m), _mm256_extracti128_si256(k.m, 1));
-      const __m512i mp = _mm512_broadcast_i32x4(m16);  // int32 lane j: (m_2j, m_2j+1)
-      const int32_t* xs = g.xs.data() + ib * 64;
+      const int32_t* xs = g.xs.data() + ib * 64;  // int32 j of m16: (m_2j, m_2j+1)
       __m512i msum = _mm512_setzero_si512();
-      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs), _mm512_shuffle_epi32(mp, _MM_PERM_AAAA));
-      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 16), _mm512_shuffle_epi32(mp, _MM_PERM_BBBB));
-      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 32), _mm512_shuffle_epi32(mp, _MM_PERM_CCCC));
-      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 48), _mm512_shuffle_epi32(mp, _MM_PERM_DDDD));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs), _mm512_set1_epi32(_mm_extract_epi32(m16, 0)));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 16), _mm512_set1_epi32(_mm_extract_epi32(m16, 1)));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 32), _mm512_set1_epi32(_mm_extract_epi32(m16, 2)));
+      msum = add_madd<VNNI>(msum, _mm512_loadu_si512(xs + 48), _mm512_set1_epi32(_mm_extract_epi32(m16, 3)));
       const __m512 mscale = _mm512_mul_ps(_mm512_set1_ps(-k.dmin), _mm512_loadu_ps(g.dxT.data() + ib * 16));
-      macc = _mm512_fmadd_ps(mscale, _mm512_cvtepi32_ps(msum), macc);
+      macc = _mm512_fmadd_ps(mscale, to_float(msum), macc);
     }
   }
   for (int p = 0; p < P; ++p) state[p] = acc[p];
@@ -977,7 +979,7 @@ void b32_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRo
       else if constexpr (VNNI) sums = dpbusd(start, v, _mm512_loadu_si512(g.x.data() + at));
       else sums = _mm512_madd_epi16(products16<QT::SIGNED>(v, _mm512_loadu_si512(g.x.data() + at)), ones);
       const __m512 sx = _mm512_mul_ps(scale, _mm512_loadu_ps(g.dx2.data() + (b * PP + p) * 16));
-      acc[p] = _mm512_fmadd_ps(sx, _mm512_cvtepi32_ps(sums), acc[p]);
+      acc[p] = _mm512_fmadd_ps(sx, to_float(sums), acc[p]);
     }
     if constexpr (L == 1) {
       const int64_t at = (P * nblk + b) * PAIR_BYTES;
@@ -995,7 +997,7 @@ void b32_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRo
     }
     if constexpr (!QT::SIGNED)
       macc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(s[0].min), _mm512_loadu_ps(g.dxT.data() + b * 16)),
-                             _mm512_cvtepi32_ps(_mm512_loadu_si512(g.xs.data() + b * 16)), macc);
+                             to_float(_mm512_loadu_si512(g.xs.data() + b * 16)), macc);
   }
   for (int p = 0; p < P; ++p) state[p] = acc[p];
   if constexpr (L == 1) state[P] = _mm512_castps256_ps512(lone);
