@@ -358,6 +358,8 @@ def windows(records: list[dict], samples: list[dict], faults: list[dict], width:
     rows = []
     for start in range(0, int(total), int(width)):
         rs = [r for r in records if start <= r["t"] < start + width]
+        if start + width > total + 1 and not rs:  # the traffic's end: nothing in this window's stub
+            break
         failed = [r for r in rs if r["outcome"] == "failed"]
         last = [s for s in samples if s["t"] < start + width]
         rows.append({"start_min": start / 60, "sent": len(rs), "completed": sum(r["outcome"] == "completed" for r in rs),
@@ -455,12 +457,13 @@ def main(argv=None) -> int:
     failures = [{"t": r["t"], "kind": r["kind"], "status": r.get("status"), "error": r.get("error"),
                  "allowed": killed_in_flight(r, soak.faults)} for r in recs if r["outcome"] == "failed"]
 
-    def rss_at(t):
-        s = min(soak.samples, key=lambda x: abs(x["t"] - t))
-        return {n.split(":")[0] + (":" + n.split(":")[1] if ":" in n else ""): p["rss_mb"] for n, p in s["procs"].items()}
+    def procs_at(t):
+        return min(soak.samples, key=lambda x: abs(x["t"] - t))["procs"]
 
-    start, end = rss_at(min(600.0, total_s / 2)), rss_at(total_s)
-    growth = {n: f"{(end[n] / start[n] - 1) * 100:+.1f}%" for n in start if n in end}
+    # Processes alive from minute 10 to the end (the same pid): the killed ones start over each time.
+    start, end = procs_at(min(600.0, total_s / 2)), procs_at(total_s)
+    growth = {n: f"{(end[n]['rss_mb'] / start[n]['rss_mb'] - 1) * 100:+.1f}% ({start[n]['rss_mb']:.0f} -> "
+                 f"{end[n]['rss_mb']:.0f} MB)" for n in start if n in end and end[n]["pid"] == start[n]["pid"]}
     total = {"sent": len(recs), "completed": sum(r["outcome"] == "completed" for r in recs),
              "closed": sum(r["outcome"] == "closed" for r in recs),
              "failed": len(failures), "failed_killed_replica": sum(f["allowed"] for f in failures),
