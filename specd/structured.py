@@ -102,7 +102,12 @@ def grammar_text(s: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in s.choice))
     text = s.grammar
     if "::=" in text:  # GBNF, llama.cpp's grammar format
-        text = llguidance.gbnf_to_lark(text)
+        from llguidance.gbnf_to_lark import gbnf_to_lark  # llguidance.gbnf_to_lark is the module
+
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # noqa: BLE001 - the converter's own error, or Exception, IndexError...: a bad grammar
+            raise ValueError(f"GBNF grammar: {e or type(e).__name__}") from None
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
