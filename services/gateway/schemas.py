@@ -266,15 +266,19 @@ MAX_JSON_DEPTH = 64
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
     """Malformed JSON and every validation failure are a 400 naming the first bad field."""
     try:
-        data = json.loads(raw)
+        # Decoded strictly, not as json.loads(bytes) decodes (errors="surrogatepass", which passes
+        # surrogates encoded in UTF-8 bytes, invalid UTF-8, on as lone surrogates).
+        text = raw.decode(json.detect_encoding(raw))
+        data = json.loads(text)
     except RecursionError:
         raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, invalid UTF-8, an integer of over 4300 digits
         raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
-    # A lone UTF-16 surrogate can only come from a \uD8xx-\uDFxx escape: look for one only then.
-    _check_structure(data, surrogates=b"\\ud" in raw.lower())
+    # Strictly decoded text holds no lone UTF-16 surrogate: one can only come from a \uD8xx-\uDFxx
+    # escape, so look for one only then.
+    _check_structure(data, surrogates="\\ud" in text.lower())
     try:
         return model.model_validate(data)
     except ValidationError as e:
