@@ -23,6 +23,11 @@ def usage(last: Step, choices: list[Step] | None = None) -> dict:
     return out
 
 
+# A token the grammar rules out has logprob -inf, which JSON cannot carry (a whole response was a
+# 500, a streamed one sent -Infinity): vLLM's floor instead.
+MIN_LOGPROB = -9999.0
+
+
 @dataclass
 class Formatter:
     chat: bool
@@ -58,7 +63,8 @@ class Formatter:
         if logprobs is None:
             return None
         tokens = [self._text(t) for t in token_ids]
-        tops = tops if tops is not None else [[] for _ in token_ids]
+        logprobs = [max(lp, MIN_LOGPROB) for lp in logprobs]
+        tops = [[(i, max(v, MIN_LOGPROB)) for i, v in top] for top in tops or [[] for _ in token_ids]]
         if self.chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
                                  "top_logprobs": [{"token": self._text(i), "logprob": v,
