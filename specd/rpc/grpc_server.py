@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.rpc.auth import Security, server_credentials, server_interceptors
+from specd.rpc.bad_requests import BadRequests
 from specd.rpc.heap import freeze_startup_heap
 
 log = logging.getLogger("specd")
@@ -56,7 +57,9 @@ async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str,
     security: the token callers must send (for `audience`) and TLS; on_health gets the health
     servicer once serving, for services that report more than "the process is up"."""
     security = security or Security()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(security, audience) or None)
+    # BadRequests last: an unauthenticated call is refused (UNAUTHENTICATED) before its request is read
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[*server_interceptors(security, audience), BadRequests()])
     names = add_services(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
