@@ -221,6 +221,10 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab})")
+        # a stop id past the vocabulary would index the logits wherever min_tokens blocks the stops
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids names token id {bad}, outside the vocabulary [0, {vocab})")
 
     def abort(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)

@@ -22,7 +22,9 @@ What it found, each fixed and kept below as a plain test: bytes that do not pars
 ("Unexpected DecodeError") with a traceback in the log, on every method of every service (grpc's
 own handling; specd/rpc/bad_requests.py now answers INVALID_ARGUMENT); and a status quoting a huge
 value (a 100 KB address or drafter name) reached the client as RESOURCE_EXHAUSTED, "received
-metadata size exceeds hard limit", in place of the status sent (details are now cut to 1 KB).
+metadata size exceeds hard limit", in place of the status sent (details are now cut to 1 KB). A
+longer run (1,500 examples a property) found a stop id past the vocabulary with min_tokens set:
+an IndexError in the engine step that failed every request in flight (the verifier refuses it now).
 
 The properties can fail: test_the_properties_fail_when_an_error_path_is_broken starts a second
 ngram drafter without BadRequests and asserts the bytes property finds an UNKNOWN there; it does
@@ -420,6 +422,23 @@ def test_a_status_quoting_a_huge_value_keeps_its_code(serving):
     code, details = status_of(lambda: serving["stub"].RegisterDrafter(request, timeout=60))
     assert code == grpc.StatusCode.PERMISSION_DENIED and len(details.encode()) < 1200, (code, details[:200])
 
+
+def test_a_stop_id_past_the_vocabulary_is_invalid_argument(serving):
+    """Found by a longer run (bench/fuzz.py, 1,500 examples): a stop id past the vocabulary with
+    min_tokens set indexed the logits in the engine step (EOS and stop ids are blocked until
+    min_tokens), an IndexError that failed every request in flight with INTERNAL. The verifier
+    refuses it now, as the gateway did; a request in flight is not touched."""
+    stub = serving["stub"]
+    running = stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6], params=pb.SamplingParams(
+        max_tokens=200, ignore_eos=True)), timeout=60)
+    first = next(running)
+    bad = pb.GenerateRequest(prompt_token_ids=[0], params=pb.SamplingParams(max_tokens=1, min_tokens=1,
+                                                                            stop_token_ids=[VOCAB]))
+    code, details = status_of(lambda: list(stub.Generate(bad, timeout=60)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in details, (code, details)
+    rest = list(running)
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200
 
 # ---- the properties can fail: a drafter with an error path broken on purpose
 
