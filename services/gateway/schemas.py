@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.requests import Request
 
 from specd.sampling import SamplingParams
@@ -53,6 +53,14 @@ class Message(_Body):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_functions(cls, calls: list[dict] | None) -> list[dict] | None:
+        # the template reads each call's function as an object (tools.template_messages)
+        if any(not isinstance(c.get("function", {}), dict) for c in calls or []):
+            raise ValueError('each tool call\'s "function" must be an object: {"name": ..., "arguments": ...}')
+        return calls
 
     def to_template(self) -> dict:
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])

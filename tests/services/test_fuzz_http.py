@@ -26,7 +26,9 @@ passed as a lone surrogate (json.loads(bytes) decodes with surrogatepass) and th
 was a 500; every GBNF grammar was a 500 (llguidance.gbnf_to_lark is a module, not the function);
 logprobs of tokens a grammar rules out (-inf) were a 500, or -Infinity in a stream; and an error
 quoting a huge value (a 100 KB drafter name) came back 429, the gRPC client having refused the
-verifier's oversized status trailer as RESOURCE_EXHAUSTED.
+verifier's oversized status trailer as RESOURCE_EXHAUSTED. A longer run (1,500 examples a property)
+found a message's tool call with "function": true (a TypeError where the template's messages are
+made).
 
 The properties can fail: test_the_properties_fail_when_an_error_path_is_broken starts a second
 gateway with an error path broken on purpose and asserts the bodies property finds a 500 there.
@@ -576,6 +578,15 @@ def test_logprobs_a_grammar_rules_out_are_json(serving):
             check_answer(r, body)
             floors += r.content.count(b"-9999.0")
     assert floors
+
+def test_a_tool_call_whose_function_is_no_object_is_a_400(serving):
+    """Found by a longer run (bench/fuzz.py, 1,500 examples): a message's tool call with "function": true
+    was a TypeError where the template's messages are made (dict(True)), a 500 on /tokenize and chat."""
+    messages = [{"role": "system"}, {"role": "system", "tool_calls": [{"function": True}]}]
+    for path, body in [("/tokenize", {"messages": messages}), ("/v1/chat/completions", {"messages": messages,
+                                                                                       "max_tokens": 2})]:
+        r = post(serving, path, _dumps(body))
+        assert r.status == 400 and r.json()["error"]["param"] == "messages", (r.status, r.content[:300])
 
 # ---- the properties can fail: a gateway with an error path broken on purpose
 
