@@ -116,7 +116,7 @@ def wide(size: int = WIDE_VOCAB) -> Vocab:
                 known.add(a + b)
                 added.append(a + b)
                 merges.append(f"{a} {b}")
-    # the new tokens go before Qwen's specials would break its ids: append them after all 151,936
+    # appended after all 151,936 ids: Qwen2.5's own tokens keep their ids
     tokens += added
     types += [1] * len(added)
     if len(tokens) != size:
