@@ -94,3 +94,20 @@ async def serve(add_services: Callable[[grpc.aio.Server], list[str]], host: str,
 
 def setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(UndeliveredStatus())
+
+
+class UndeliveredStatus(logging.Filter):
+    """grpc's aio server logs a traceback (ExecuteBatchError, as ERROR) when a handler ends after its
+    caller has gone: the batch that sends the call's status fails. A cancelled stream (a client that
+    disconnected, a gateway that dropped a finished request) is routine for a server, so that record
+    becomes one INFO line; any other failure of grpc's core keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ != "ExecuteBatchError" or "SendStatusFromServerOperation" not in str(error):
+            return True
+        record.msg, record.args = "%s: the caller had gone before its status was sent", (record.getMessage(),)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)

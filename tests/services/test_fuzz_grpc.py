@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzing import EDGE_INTS, FIND_ONLY, fuzz_settings, huge, huge_texts, note, texts
+from fuzzing import EDGE_INTS, find_settings, fuzz_settings, huge, huge_texts, note, texts
 from specd.models.demo_paths import demo_model_dir
 from specd.rpc.grpc_server import MAX_MESSAGE_BYTES
 from specd.v1 import drafter_pb2 as dpb
@@ -465,7 +465,7 @@ def test_the_properties_fail_when_an_error_path_is_broken(stack, launcher, tmp_p
     monkeypatch.delenv("PYTHONPATH")
     channel = grpc.insecure_channel(broken.address)
 
-    @fuzz_settings(report_multiple_bugs=False, phases=FIND_ONLY)
+    @find_settings()
     @given(method=st.sampled_from(sorted(DRAFTER_METHODS.items())), raw=broken_bytes())
     def prop(method, raw):
         name, kind = method

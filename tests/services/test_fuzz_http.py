@@ -49,8 +49,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzing import (EDGE_INTS, FIND_ONLY, any_json, floats, fuzz_settings, huge, huge_texts, ints, keys, note,
-                     texts)
+from fuzzing import (EDGE_INTS, any_json, find_settings, floats, fuzz_settings, huge, huge_texts, ints, keys,
+                     note, texts)
 from specd.gateway.responses_request import ResponsesRequest
 from specd.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from specd.gateway.tokenization import DetokenizeRequest, TokenizeRequest
@@ -613,7 +613,7 @@ def test_the_properties_fail_when_an_error_path_is_broken(stack, launcher, tmp_p
                                                           API_KEY, "--log-level", "warning"], http=True)
     monkeypatch.delenv("PYTHONPATH")
     with httpx.Client(base_url=f"http://{broken.address}", timeout=60) as client:
-        @fuzz_settings(report_multiple_bugs=False, phases=FIND_ONLY)
+        @find_settings()
         @given(body=bodies(path), ensure_ascii=st.booleans())
         def prop(body, ensure_ascii):
             check_answer(post(dict(client=client), path, _dumps(body, ensure_ascii)), body)
