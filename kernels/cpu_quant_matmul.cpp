@@ -14,7 +14,7 @@
 // depends on that row and W only, whatever the row count, tile or thread count. The AVX-512 path
 // (two blocks of 32 per register), the AVX2 path and the portable one (SPECD_QUANT_PORTABLE=1, what
 // a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
-// test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 2-16
+// test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 5-16
 // rows (verify blocks, prefill) on AVX-512 take many-row kernels that unpack each weight block once
 // for all of them and compute the same bits ("verify blocks", below).
 //
@@ -1060,7 +1060,8 @@ void rows_avx512(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRow
 
 
 constexpr int ROWS = 4;  // rows of x per pass over the weight rows
-constexpr int64_t MANY_ROWS = 2;  // from this many rows on, the AVX-512 build takes the many-row kernels
+constexpr int64_t MANY_ROWS = 5;  // from this many rows on, the AVX-512 build takes the many-row kernels (2-4 rows were
+// 2-23% slower there than in the 1-4 row kernels on a 2-core EPYC, Zen 5: bench/results/verify_rows_q4km_1p5b_epyc.md)
 
 // f(std::integral_constant<int, R>) for R = rows (1 .. ROWS): the kernels take R as a template argument.
 template <class F>
