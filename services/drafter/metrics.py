@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.rpc.telemetry import LATENCY_BUCKETS, serve_metrics
+from specd.rpc.telemetry import LATENCY_BUCKETS, register_kv_memory, serve_metrics
 
 
 class DrafterMetrics:
@@ -34,6 +34,7 @@ class DrafterMetrics:
                                         registry=self.registry).labels(name)
         self.up = Gauge("specd_drafter_up", "1 while the drafter serves", labels, registry=self.registry).labels(name)
         self.up.set(1)
+        register_kv_memory(self.registry)  # a draft model's own cache
 
     def observe_batch(self, entries: int, draft_tokens: int, seconds: float) -> None:
         self.batches.inc()

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from specd.engine.spec_stats import SpecStats
-from specd.rpc.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, serve_metrics
+from specd.rpc.telemetry import LATENCY_BUCKETS, RTT_BUCKETS, register_kv_memory, serve_metrics
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -34,6 +34,7 @@ class VerifierMetrics:
                            "speculation (batch-invariant mode on, its load-time self-test passed)", registry=r)
         self.kv_used = Gauge("specd_verifier_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("specd_verifier_kv_blocks_free", "KV cache blocks free", registry=r)
+        register_kv_memory(r)
         self.batch_size = Histogram("specd_verifier_batch_size", "Sequences per engine step",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.step_seconds = Histogram("specd_verifier_step_seconds", "Engine step time (propose + verify)",

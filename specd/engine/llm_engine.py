@@ -151,7 +151,7 @@ class LLMEngine:
 
     @staticmethod
     def _check_cpu_kv_fits(nbytes: int) -> None:
-        """The cache's pages become resident only as blocks are written (model_runner.zeroed): a
+        """The cache's pages become resident only as blocks are written (kv_memory.zeroed): a
         cache larger than the memory left would not fail here but kill the server once it fills.
         Refuse it now, as a GPU's allocation would."""
         available = available_memory_bytes()

@@ -5,27 +5,12 @@ multi-token decode positions; logits are computed only where they are asked for.
 """
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 
 from specd.engine.attention import AttentionMetadata
+from specd.engine.kv_memory import zeroed
 from specd.engine.model import CausalLM
 from specd.engine.scheduler import ScheduledSeq
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache tensor. Zero, not empty: padded key slots are masked, but 0 * NaN garbage
-    would still be NaN. On CPU from anonymous mmap, whose pages read as zero and take memory only
-    once written: the process's resident size follows the blocks in use instead of the whole cache
-    (torch.zeros writes every page at start)."""
-    count = math.prod(shape)
-    if torch.device(device).type != "cpu" or count == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # Private: a forked process gets a copy, never a shared cache.
-    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 class ModelRunner:

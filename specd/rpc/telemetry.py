@@ -24,7 +24,9 @@ import os
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from specd.engine import kv_memory
 
 log = logging.getLogger("specd.rpc.telemetry")
 
@@ -44,6 +46,15 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
     (port 0: one the OS picks). A port that cannot be bound raises OSError."""
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server.server_port
+
+
+def register_kv_memory(registry: CollectorRegistry) -> None:
+    """The process's CPU KV caches: their size and how much of them is resident (read at scrape
+    time). RSS that grows while resident bytes grow is a cache filling its pages, not a leak."""
+    Gauge("specd_kv_cache_bytes", "Size of the CPU KV caches (blocks never written take no memory)",
+          registry=registry).set_function(kv_memory.cache_bytes)
+    Gauge("specd_kv_cache_resident_bytes", "Bytes of the CPU KV caches in memory: pages written at least once",
+          registry=registry).set_function(kv_memory.resident_bytes)
 
 
 # ---- OpenTelemetry -------------------------------------------------------------------

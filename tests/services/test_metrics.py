@@ -196,6 +196,11 @@ def test_counters_agree_with_the_usage_the_clients_saw(stack):
     assert v_after.get("specd_verifier_num_requests_running") == 0
     assert v_after.get("specd_verifier_num_requests_waiting") == 0
     assert v_after.get("specd_verifier_kv_blocks_used") == 0 and v_after.get("specd_verifier_kv_blocks_free") > 0
+    # the KV caches' pages: written ones resident (the requests wrote some), bounded by the caches' size;
+    # the n-gram drafter has no cache
+    for service in ("verifier", "dm"):
+        assert 0 < after[service].get("specd_kv_cache_resident_bytes") <= after[service].get("specd_kv_cache_bytes")
+    assert after["ng"].get("specd_kv_cache_bytes") == 0
     assert v_after.by("specd_verifier_drafter_healthy", "drafter") == {"dm": 1.0, "ng": 1.0}
     rtts = {d: delta("verifier", "specd_verifier_propose_rtt_seconds_count", drafter=d) for d in ("dm", "ng")}
     assert all(count > 0 for count in rtts.values()), rtts
