@@ -286,7 +286,9 @@ class AsyncEngine:
                 continue  # aborted before it started
             try:
                 seq_id = self.engine.add_request(req.prompt_token_ids, req.params)
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 — refused (ValueError), or a fault of ours: this request alone
+                if not isinstance(e, ValueError):  # fails (INTERNAL), and the requests in flight go on
+                    log.exception("adding request %s failed", req.request_id)
                 self._started(req.request_id)
                 for r in (req, *req.forks):
                     self.requests.pop(r.request_id, None)

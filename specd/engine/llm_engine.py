@@ -167,10 +167,19 @@ class LLMEngine:
         self.check_params(params)
         if seq_id is not None and seq_id in self.sequences:
             raise ValueError(f"request id {seq_id} is already in use")
-        seq = self._sequence(prompt_token_ids, params, seq_id)
-        seq.forks = [self._sequence(prompt_token_ids, replace(params, seed=None if params.seed is None
-                                                              else params.seed + i), None) for i in range(1, params.n)]
-        self.scheduler.add(seq)
+        made: list[Sequence] = []
+        try:  # all or nothing: a request that fails to be added leaves no sequence behind
+            seq = self._sequence(prompt_token_ids, params, seq_id)
+            made.append(seq)
+            for i in range(1, params.n):
+                made.append(self._sequence(prompt_token_ids, replace(params, seed=None if params.seed is None
+                                                                     else params.seed + i), None))
+            seq.forks = made[1:]
+            self.scheduler.add(seq)
+        except BaseException:
+            for s in made:
+                self.sequences.pop(s.seq_id, None)
+            raise
         return seq.seq_id
 
     def _sequence(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None) -> Sequence:
