@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from specd.engine.linear import InvariantCpuLinear, PlainLinear, PrepackedLinear
+    from specd.engine.model.linear import InvariantCpuLinear, PlainLinear, PrepackedLinear
     from specd.kernels import cpu_ops
 
     if not cpu_ops.available():

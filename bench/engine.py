@@ -202,12 +202,12 @@ class HF:
 
 def matmul_floor(model_dir, args, dtype: str, batch: int, iters: int = 30) -> float:
     """Seconds per decode step for the weight matmuls alone (every Linear + lm_head, no
-    attention, no framework), each through the engine's own matmul path (specd.engine.linear:
+    attention, no framework), each through the engine's own matmul path (specd.engine.model.linear:
     prepacked oneDNN weights in bf16 on CPU): the floor of this engine's step at this batch size."""
     import torch
     from safetensors.torch import load_file
 
-    from specd.engine.linear import fast_linear
+    from specd.engine.model.linear import fast_linear
 
     dt = getattr(torch, dtype)
     weights = []
@@ -519,7 +519,7 @@ def render_md(r: dict) -> str:
         f"sequence after a {r['prompt_len']}-token prefill vs the 1-token forward, median of interleaved "
         "pairs, sampler excluded. Greedy identical compares specd's and transformers' tokens (bf16 "
         "rounding can differ legitimately). Weight-matmul floor: the batch pushed through every weight "
-        "matrix through the engine's own matmul path (specd.engine.linear; prepacked oneDNN in bf16 on CPU), "
+        "matrix through the engine's own matmul path (specd.engine.model.linear; prepacked oneDNN in bf16 on CPU), "
         "one call per checkpoint matrix (q/k/v and gate/up unfused: a few more calls than the engine's "
         "step), no attention or framework.",
         "",

@@ -1,5 +1,5 @@
 """What each request of a batch gets from the server's choice, against plain decoding of the same
-prompts: the per-request never-slower rule (specd/engine/spec_ledger.py) on and off, in one process.
+prompts: the per-request never-slower rule (specd/engine/spec/ledger.py) on and off, in one process.
 
 The in-process part of the default stack (the default target in bf16, a suffix index with k 8 and
 the committed datastore), one wave of B held-out prompts per run, runs interleaved per round:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("bench/results/per_request"))
     args = p.parse_args(argv)
-    import specd.engine.spec_ledger as ledger
+    import specd.engine.spec.ledger as ledger
     from specd.models import model_store
     from specd.models.chat import chat_prompt_ids
     from specd.sampling import SamplingParams
@@ -113,7 +113,7 @@ def render(r: dict) -> str:
     lines = ["# Each request against plain decoding: the per-request never-slower rule on and off (bench/per_request.py)", "",
              f"{s['model']} in bf16, suffix index k 8 with the committed datastore, one process, greedy, up to "
              f"{s['max_tokens']} tokens, one wave of B held-out prompts per run; per round: plain, server's choice "
-             f"(rule: each request within {s['slack']:.0%} of plain, spec_ledger.py), server's choice without the rule, "
+             f"(rule: each request within {s['slack']:.0%} of plain, spec/ledger.py), server's choice without the rule, "
              "plain. Per request: plain's finishing time over the other's, modeled (one verify-cost table per round "
              "over the steps it ran in: no VM drift) - min and median over the batch; wave: the last request's. "
              "wall: tok/s over the two plain runs' mean (this VM drifts 10-30%).", "",

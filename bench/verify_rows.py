@@ -1,6 +1,6 @@
 """What a verify block costs on this CPU: the default target's forward over T = 1..9 query tokens of
 one sequence (bf16, 128 tokens of context or --context), in ms and as a multiple of the 1-token step: the curve
-the speculation controller prices k by (specd/engine/spec_costs.py learns it live).
+the speculation controller prices k by (specd/engine/spec/costs.py learns it live).
 
 With --baseline DIR, a checkout of another commit (`git worktree add /tmp/base HEAD~1`), the same
 forward with that checkout's CPU kernels (built in a cache of their own; the engine's Python is

@@ -163,7 +163,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, int64_t num_heads, const at::T
 // CausalLM.forward's fused path (so the same bits), without ~10 Python calls per layer, which cost
 // ~14% of a batch-1 decode step of the default target. weights holds, per layer, input norm, qkv,
 // o, post-attention norm, gate_up, down (the matmul weights packed by pack_linear_weight, or uint8:
-// GGUF-quantized, packed by specd/engine/quant.py); biases
+// GGUF-quantized, packed by specd/engine/model/quant.py); biases
 // and out_features, per layer, for qkv, o, gate_up and down. Returns the residual stream after the last layer's attention and that layer's
 // MLP output, left unadded as in the Python path.
 std::tuple<at::Tensor, at::Tensor> decoder_stack(

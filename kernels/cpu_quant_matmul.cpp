@@ -1,6 +1,6 @@
 // Matmuls on GGUF's packed quantized weights, for CPU: y = x W^T + b, W as llama.cpp stores it
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, row after row), never dequantized in memory.
-// kernels/cpu_ops.py builds it with the bfloat16 ops; specd/engine/quant.py packs the weights.
+// kernels/cpu_ops.py builds it with the bfloat16 ops; specd/engine/model/quant.py packs the weights.
 //
 // The arithmetic, as llama.cpp's CPU path does it: each row of x is quantized to 8 bits (scale
 // max|x| / 127, round to nearest even) per group of 32 for the 32-weight types, of 256 for the
@@ -1131,7 +1131,7 @@ struct Packed {
 Packed parse(const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() >= HEADER * 8,
-              "packed must come from specd.engine.quant (a 1-D uint8 tensor)");
+              "packed must come from specd.engine.model.quant (a 1-D uint8 tensor)");
   const uint8_t* base = packed.data_ptr<uint8_t>();
   int64_t h[HEADER];
   std::memcpy(h, base, sizeof(h));

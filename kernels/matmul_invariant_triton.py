@@ -1,6 +1,6 @@
 """y = x W^T (+ b) in Triton with one reduction order per output element, whatever the row count.
 
-Batch-invariant mode on a GPU (specd/engine/linear.py): cuBLAS picks its tiling, and split-K,
+Batch-invariant mode on a GPU (specd/engine/model/linear.py): cuBLAS picks its tiling, and split-K,
 from the problem size, so a row's result can change with the number of rows computed with it.
 Here every program owns a BLOCK_M x BLOCK_N tile of the output and walks K in fixed BLOCK_K
 steps from 0 upwards, accumulating in float32: a row's result depends only on its own inputs,

@@ -1,6 +1,6 @@
 """Paged attention for a ragged batch of decode, verify and prefill-chunk queries, in Triton.
 
-The GPU counterpart of specd.engine.attention.paged_attention (the torch path, which
+The GPU counterpart of specd.engine.model.attention.paged_attention (the torch path, which
 gathers each sequence's K/V out of the paged cache and runs SDPA on a padded batch). Here
 one program per (query token, head) walks the blocks of its sequence straight from the
 cache through the block table, with an online softmax in float32, so nothing is gathered or

@@ -73,7 +73,7 @@ class FeatureTarget:
 
     hidden_size: int
     num_layers: int
-    fingerprint: str  # specd.engine.fingerprint of the loaded weights
+    fingerprint: str  # specd.engine.model.fingerprint of the loaded weights
 
 
 class FeatureMismatch(ValueError):

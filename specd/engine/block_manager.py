@@ -174,7 +174,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Last block first: a cached tail is then evicted before its head, which more requests share.
         # Uncached blocks return in order, so a later sequence tends to get consecutive blocks again:
-        # attention then reads a lone sequence's K/V as a view of the cache (specd/engine/attention.py).
+        # attention then reads a lone sequence's K/V as a view of the cache (specd/engine/model/attention.py).
         for block in reversed(seq.block_table):
             self._refs[block] -= 1
             if self._refs[block] == 0 and block in self._hash_of:

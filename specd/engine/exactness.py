@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.attention import triton_attention_used
-from specd.engine.model import CausalLM
+from specd.engine.model.attention import triton_attention_used
+from specd.engine.model.decoder import CausalLM
 from specd.engine.model_runner import ModelRunner
 from specd.engine.scheduler import ScheduledSeq
 from specd.engine.sequence import Sequence

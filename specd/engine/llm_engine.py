@@ -86,7 +86,7 @@ class LLMEngine:
         self._grammars = None  # specd.engine.grammar.Grammars, made on the first constrained request
 
     def _make_speculator(self, spec: SpeculativeConfig, proposer, proposer_factory):
-        from specd.engine.speculator import Speculator
+        from specd.engine.spec.speculator import Speculator
 
         if proposer is None:
             if proposer_factory is None:

@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 from specd.cache import cache_root, file_sha256
 from specd.engine.exactness import forward_invariance_failures
-from specd.engine.fingerprint import weights_fingerprint
-from specd.engine.model import CausalLM
-from specd.engine.model_config import ModelArchConfig
+from specd.engine.model.config import ModelArchConfig
+from specd.engine.model.decoder import CausalLM
+from specd.engine.model.fingerprint import weights_fingerprint
 from specd.models.gguf_convert import convert_gguf, find_gguf
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def open_checkpoint(model: str, dtype: str, device: torch.device) -> Checkpoint:
     Triton; an explicit dtype dequantizes it."""
     gguf_file = find_gguf(Path(model).expanduser())
     if gguf_file is not None and dtype == "auto" and device.type in ("cpu", "cuda"):
-        from specd.engine.gguf_weights import has_quantized_matmuls
+        from specd.engine.model.gguf_weights import has_quantized_matmuls
 
         triton = _triton_quantized(device)
         if has_quantized_matmuls(gguf_file, triton):
@@ -190,7 +190,7 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device, max_positions: int,
                     batch_invariant: bool = True) -> CausalLM:
     if ckpt.gguf is None:
         return load_model(ckpt.dir, ckpt.arch, ckpt.dtype, device, max_positions, batch_invariant)
-    from specd.engine.gguf_weights import load_gguf_model
+    from specd.engine.model.gguf_weights import load_gguf_model
 
     model = load_gguf_model(ckpt.gguf, ckpt.arch, max_positions, _triton_quantized(device))
     # Keyed by the file's content: what the prefix cache salts its hashes with.
@@ -265,7 +265,7 @@ def _prepared(model: CausalLM, head_ids: torch.Tensor | None, dtype: torch.dtype
 def _log_matmul_paths(model: CausalLM) -> None:
     """Which instructions the fused bf16 CPU matmul takes here (AMX tiles, vdpbf16ps or FMAs: each
     its own bits, kernels/cpu_bf16_matmul.cpp), once per load, for whoever compares machines."""
-    from specd.engine.linear import InvariantCpuLinear
+    from specd.engine.model.linear import InvariantCpuLinear
 
     widths = sorted({m.in_features for m in model.modules() if isinstance(m, InvariantCpuLinear)})
     if widths:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.attention import AttentionMetadata
 from specd.engine.kv_memory import zeroed
-from specd.engine.model import CausalLM
+from specd.engine.model.attention import AttentionMetadata
+from specd.engine.model.decoder import CausalLM
 from specd.engine.scheduler import ScheduledSeq
 
 

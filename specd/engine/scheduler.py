@@ -45,7 +45,7 @@ class ScheduledSeq:
     num_logits: int  # logits wanted at the last num_logits of those positions (0 = mid-prefill chunk)
     # Set by attach_drafts: the forward then covers [last token, *drafts], all with logits.
     drafts: Drafts | None = None
-    # Token trees (specd/engine/attention.py): the tokens from tree_base on form a tree; the
+    # Token trees (specd/engine/model/attention.py): the tokens from tree_base on form a tree; the
     # parent of each, relative to tree_base (-1: the context before it). None: causal.
     tree_base: int | None = None
     tree_parents: list[int] | None = None

@@ -75,7 +75,7 @@ def find_gguf(path: Path) -> Path | None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = True) -> Path:
     """Write config.json, generation_config.json, model.safetensors (float32; not with weights=False:
-    a file served in its own types is read by specd/engine/gguf_weights.py), tokenizer.json,
+    a file served in its own types is read by specd/engine/model/gguf_weights.py), tokenizer.json,
     tokenizer_config.json and chat_template.jinja for `gguf_path` into `out_dir`."""
     import gguf
     from safetensors.numpy import save_file

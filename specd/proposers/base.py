@@ -1,14 +1,14 @@
 """The proposers' registry (PROPOSERS, @register) and what several proposers share: token
 histories per sequence with resync detection and TTL release, the index drafters' propose()
 loop (IndexDrafter), feature-row counts. The contract
-they implement (ProposeRequest, Proposal, Proposer) is specd/engine/proposal.py, with its caller.
+they implement (ProposeRequest, Proposal, Proposer) is specd/engine/spec/proposal.py, with its caller.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from specd.engine.proposal import Proposal, ProposeRequest, Proposer  # noqa: F401  (the proposers' names for it)
+from specd.engine.spec.proposal import Proposal, ProposeRequest, Proposer  # noqa: F401  (the proposers' names for it)
 
 
 def feature_rows(req) -> int:

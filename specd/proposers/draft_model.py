@@ -14,7 +14,7 @@ sparse q ships with them so the verifier can accept exactly (draft_sampling.py).
 Token trees (tree_branching [b1, b2, ..]): one forward per depth, as for a chain. The
 catch-up forward gives the root's b1 children (its top-b1 tokens, or b1 draws without
 replacement); each next forward runs the newest nodes with a tree attention mask (each sees
-the committed context and its ancestors, specd/engine/attention.py) and gives each of them
+the committed context and its ancestors, specd/engine/model/attention.py) and gives each of them
 b_d children. Nodes are in breadth-first order, at most tree_max_nodes.
 
 Parallel drafting (PARD, Chen et al. 2025; a draft model whose config has `pard_token`, as vLLM

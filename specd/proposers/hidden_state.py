@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.engine.linear import adopt_linears, fast_linear
 from specd.engine.loader import default_device, resolve_dtype
+from specd.engine.model.linear import adopt_linears, fast_linear
 from specd.proposers.base import Proposal, ProposeRequest, feature_rows
 from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.draft_sampling import SampledDrafts
@@ -85,7 +85,7 @@ class HiddenStateProposer(SampledDrafts):
 
             self.feature_layers = (L,)
             self.head = load_mlp_speculator(cfg, read_tensors(head_dir), pieces, self.dtype, self.device, where)
-        # The engine's matmul path for the head's linears (specd/engine/linear.py): in bf16 on a
+        # The engine's matmul path for the head's linears (specd/engine/model/linear.py): in bf16 on a
         # CPU, torch's own matmul took 2-10 ms per call here, most of a draft's cost.
         adopt_linears(self.head)
         if isinstance(getattr(self.head, "lm_head", None), torch.Tensor):  # EAGLE-1 scores with a plain tensor
@@ -99,7 +99,7 @@ class HiddenStateProposer(SampledDrafts):
         self.seqs: dict[int, _State] = {}
         self.grammar = DraftGrammars(pieces.dir, pieces.arch.vocab_size, pieces.arch.eos_token_ids,
                                      enabled=mask_structured)
-        # specd.engine.fingerprint of the target the head was trained for, when its trainer wrote it
+        # specd.engine.model.fingerprint of the target the head was trained for, when its trainer wrote it
         # (published checkpoints carry none: the verifier then checks layers and hidden size only)
         self.target_fingerprint = str(cfg.get(FINGERPRINT_KEY) or "")
         self.prefix_cache = HeadPrefixCache(int(prefix_cache_mb * 2**20), f"{method}{self.feature_layers}".encode()) \

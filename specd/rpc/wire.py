@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from specd.engine.proposal import Proposal, ProposeRequest
+from specd.engine.spec.proposal import Proposal, ProposeRequest
 from specd.sampling import SamplingParams
 from specd.structured import StructuredOutput
 from specd.v1 import drafter_pb2, verifier_pb2

@@ -124,7 +124,7 @@ def _row_count_dependent_mlp(monkeypatch) -> None:
     the MLP's output moves by a few bf16 ulps in steps whose row count is a multiple of 5 (k = 4
     verify blocks), as a kernel that reduces in another order for some row counts would. The layer loop runs (not
     decoder_stack), so the patched MLP is the one computed."""
-    from specd.engine import model as model_module
+    from specd.engine.model import decoder as model_module
 
     real = model_module.MLP.forward
 

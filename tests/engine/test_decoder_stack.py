@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specd import LLM, SamplingParams
-from specd.engine.model import CausalLM
+from specd.engine.model.decoder import CausalLM
 from specd.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")

@@ -1,4 +1,4 @@
-"""A GGUF file served in its own quantized types (specd/engine/gguf_weights.py, the default for a
+"""A GGUF file served in its own quantized types (specd/engine/model/gguf_weights.py, the default for a
 .gguf on CPU): its matmuls compute on the packed blocks, close to the dequantized float32 reference,
 and exact: greedy output with every drafting method equals plain decoding on the same quantized model.
 
@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from drafter_helpers import perturbed_copy  # noqa: E402
 from gguf_files import bpe_tokenizer, hf_model, prompt_logits, write_gguf  # noqa: E402
 from specd import LLM, SamplingParams  # noqa: E402
-from specd.engine.quant import QuantEmbedding, QuantLinear  # noqa: E402
+from specd.engine.model.quant import QuantEmbedding, QuantLinear  # noqa: E402
 from specd.kernels import cpu_ops  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600),
@@ -114,7 +114,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_quantized_model(files, 
 
 
 def test_types_without_a_kernel_are_dequantized_with_a_log_line(files, caplog):
-    with caplog.at_level(logging.WARNING, logger="specd.engine.gguf_weights"):
+    with caplog.at_level(logging.WARNING, logger="specd.engine.model.gguf_weights"):
         llm = LLM(str(files["no_kernel"]), device="cpu", max_model_len=256)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "Q2_K have no quantized kernel here; dequantized to bfloat16" in said and "Q3_K" in said
@@ -129,8 +129,8 @@ def test_types_without_a_kernel_are_dequantized_with_a_log_line(files, caplog):
 
 
 def test_a_type_the_gguf_package_cannot_read_fails_naming_file_tensor_and_type(files, tmp_path):
-    from specd.engine.gguf_weights import _Tensors
     from specd.engine.loader import read_arch_config, resolve_model_dir
+    from specd.engine.model.gguf_weights import _Tensors
     from specd.models.gguf_convert import GGUFError
 
     tensors = _Tensors(files["mixed"], read_arch_config(resolve_model_dir(str(files["mixed"]), weights=False)))

@@ -13,7 +13,7 @@ import torch
 from head_layouts import write_layout
 
 from specd import SamplingParams
-from specd.engine import speculator as speculator_module
+from specd.engine.spec import speculator as speculator_module
 from specd.models.demo_paths import demo_model_dir
 
 transformers = pytest.importorskip("transformers")

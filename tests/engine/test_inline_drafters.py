@@ -5,7 +5,7 @@ goes to the global cache)."""
 from __future__ import annotations
 
 from specd import SamplingParams
-from specd.engine.speculator import ASK_ANYWAY_EVERY
+from specd.engine.spec.speculator import ASK_ANYWAY_EVERY
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

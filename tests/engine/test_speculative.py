@@ -158,7 +158,7 @@ def test_a_seeded_request_leaves_its_k_to_the_controller_in_strict_mode():
     whose use k decides: it drafts at the config's k, outside the batch's token budget."""
     from specd.config import SpeculativeConfig
     from specd.engine.sequence import Sequence
-    from specd.engine.speculator import Speculator
+    from specd.engine.spec.speculator import Speculator
 
     greedy = Sequence([1, 2, 3], SamplingParams(temperature=0, seed=7, max_tokens=50))
     sampled = Sequence([1, 2, 3], SamplingParams(temperature=0.7, seed=7, max_tokens=50))

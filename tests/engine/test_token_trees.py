@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specd import SamplingParams
-from specd.engine.speculator import Speculator
+from specd.engine.spec.speculator import Speculator
 from specd.kernels import tree_rejection_sampler as trs
 from specd.kernels.rejection_sampler import SpecDecodeMetadata, draw_from, rejection_sample
 from specd.proposers.base import Proposal

@@ -35,7 +35,7 @@ def main(out: str, model_dirs: list[str]) -> None:
     # The GGUF-quantized matmul, every type: K = 512 and, for the 32-weight types, 544 (an odd count
     # of blocks, which the AVX-512 path, taking blocks in pairs, ends alone); 5 rows (a tile and one)
     from test_cpu_quant_matmul import TYPES, blocks, packed_from
-    from specd.engine.quant import KERNEL_TYPES
+    from specd.engine.model.quant import KERNEL_TYPES
 
     with tempfile.TemporaryDirectory() as tmp:
         for q in TYPES:

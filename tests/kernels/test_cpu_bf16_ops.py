@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.engine.rotary import apply_rotary
+from specd.engine.model.rotary import apply_rotary
 from specd.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supported(), reason="the fused CPU ops need x86-64 Linux with AVX-512 or AVX2 + FMA")

@@ -17,7 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from specd.engine.quant import KERNEL_TYPES, QuantPart, pack  # noqa: E402
+from specd.engine.model.quant import KERNEL_TYPES, QuantPart, pack  # noqa: E402
 from specd.kernels import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the fused CPU ops did not build here")

@@ -34,7 +34,7 @@ def test_engine_uses_it_in_batch_invariant_mode_where_forced(llama_dir, monkeypa
     decode the same greedy tokens as the default path. (Whether the mode stays on is the self-test's
     call: interpreted, tl.dot is numpy's BLAS, whose rows change with the row count on some CPUs.)"""
     from specd import LLM, SamplingParams
-    from specd.engine.linear import TritonInvariantLinear
+    from specd.engine.model.linear import TritonInvariantLinear
 
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9)]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from specd.engine.attention import AttentionMetadata, paged_attention
+from specd.engine.model.attention import AttentionMetadata, paged_attention
 
 triton_kernel = pytest.importorskip("specd.kernels.paged_attention_triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # natively on a GPU, interpreted elsewhere

@@ -134,7 +134,7 @@ def test_a_gguf_files_q8_0_and_q4_parts_serve_through_it(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from gguf_files import bpe_tokenizer, hf_model, prompt_logits, write_gguf
     from specd import LLM, SamplingParams
-    from specd.engine.quant import GroupQuantLinear
+    from specd.engine.model.quant import GroupQuantLinear
 
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))
     tokenizer = bpe_tokenizer("smollm")

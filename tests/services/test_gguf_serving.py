@@ -3,7 +3,7 @@ FILE.gguf` with `specd gateway` beside it. No tokenizer directory exists anywher
 its tokenizer and chat template): the gateway takes the verifier's over gRPC. Chat through the
 official client must use the file's own template (the prompt's token count) and give the offline
 engine's greedy text for the same file. Everything runs with the defaults, so where the fused CPU ops
-build the file is served in its own quantized types (specd/engine/gguf_weights.py), as offline."""
+build the file is served in its own quantized types (specd/engine/model/gguf_weights.py), as offline."""
 from __future__ import annotations
 
 import os

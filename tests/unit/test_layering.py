@@ -4,7 +4,7 @@ imports inside functions included (a lazy import is still an arrow):
   specd.drafter): the services host the core, not the other way round. The CLI's command table
   names service modules as strings only, to start the one a user asked for;
 - the engine never imports a proposer, the CLI or a service: proposers implement the contract in
-  specd/engine/proposal.py and reach the engine as objects (LLMEngine's proposer or
+  specd/engine/spec/proposal.py and reach the engine as objects (LLMEngine's proposer or
   proposer_factory);
 - nothing outside the CLI's room (specd/cli/) imports it: it is the top;
 - serving never imports training: specd/, kernels and services import nothing of specd_train

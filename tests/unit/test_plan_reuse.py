@@ -7,8 +7,8 @@ import random
 
 from test_spec_controller import _trained
 
-from specd.engine.spec_controller import MAX_REUSE, PLAN_SHARE, SpecController
-from specd.engine.spec_costs import RealizedCalibration
+from specd.engine.spec.controller import MAX_REUSE, PLAN_SHARE, SpecController
+from specd.engine.spec.costs import RealizedCalibration
 
 
 def _plain_planned(plan_s: float, n: int = 32, streak: int = 1) -> SpecController:

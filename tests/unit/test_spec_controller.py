@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec_controller import EXPLORE_SHARE, MIN_SAMPLES, SpecController, expected_tokens
-from specd.engine.spec_costs import DraftCost, LinearCost, RealizedCalibration, VerifyCost
+from specd.engine.spec.controller import EXPLORE_SHARE, MIN_SAMPLES, SpecController, expected_tokens
+from specd.engine.spec.costs import DraftCost, LinearCost, RealizedCalibration, VerifyCost
 from specd.engine.spec_stats import SpecStats
 
 
@@ -26,7 +26,7 @@ def _trained(verify, alpha: float, max_k: int = 4, seqs=range(32)) -> SpecContro
 
 
 def _decoded(c: SpecController, seq_ids, tokens: int = 200) -> None:
-    """These sequences have decoded `tokens` tokens plain: their ledgers (spec_ledger) let a step
+    """These sequences have decoded `tokens` tokens plain: their ledgers (spec/ledger.py) let a step
     cost them up to its slack of that, so a test of what the plan prices is not one of the ledger."""
     for sid in seq_ids:
         for _ in range(tokens):
@@ -349,7 +349,7 @@ def test_exploration_drafts_the_k_the_model_would_pick_not_max_k():
     for _ in range(50):
         c.observe_accept(0, 3, 0)  # nothing accepted: speculation stays off, but is explored
     c.grant_exploration(1.0)
-    # not before its plain steps have earned the slack the try costs it (spec_ledger)
+    # not before its plain steps have earned the slack the try costs it (spec/ledger.py)
     assert c.choose([(0, 8, None)], base_tokens=1) == [0]
     _decoded(c, [0])
     assert c.choose([(0, 8, None)], base_tokens=1) == [3]
@@ -707,7 +707,7 @@ def test_an_offered_draft_needs_only_a_small_margin_a_drafter_to_be_asked_the_wi
     (~1.06 tokens for 1.1 steps' time, the recent outcomes weighing most): taken, since nothing else is paid for it (OFFER_SWITCH_MARGIN); a
     drafter asked after the plan with the same prediction is not (SWITCH_MARGIN: what the model leaves
     out, e.g. a drafter catching up on a history, costs speculation)."""
-    from specd.engine.spec_controller import OFFER_SWITCH_MARGIN, SWITCH_MARGIN
+    from specd.engine.spec.controller import OFFER_SWITCH_MARGIN, SWITCH_MARGIN
 
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a row costs 10% of a step
     c = _offering_drafter(verify, {1: 0.2}, rounds=2000)

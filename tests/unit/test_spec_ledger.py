@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec_controller import SpecController
-from specd.engine.spec_ledger import SLACK
+from specd.engine.spec.controller import SpecController
+from specd.engine.spec.ledger import SLACK
 from test_spec_controller import _offering_drafter
 
 

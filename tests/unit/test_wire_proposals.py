@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import torch
 
-from specd.engine.proposal import Proposal, ProposeRequest
+from specd.engine.spec.proposal import Proposal, ProposeRequest
 from specd.rpc.wire import (proposal_from_proto, proposal_to_proto, propose_entry_to_proto,
                             propose_request_from_proto, tensor_from_proto)
 from specd.v1 import drafter_pb2

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specd.engine.model_config import ModelArchConfig
+from specd.engine.model.config import ModelArchConfig
 
 # transformers' LlamaConfig defaults: a speculators config stores its transformer_layer_config
 # with to_diff_dict(), which drops every value equal to these (Llama's; other families' differ).

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specd.engine.model import RMSNorm
-from specd.engine.rotary import RotaryEmbedding
+from specd.engine.model.decoder import RMSNorm
+from specd.engine.model.rotary import RotaryEmbedding
 from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, layer_arch, take
 from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
 

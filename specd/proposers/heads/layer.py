@@ -3,7 +3,7 @@
 The engine's DecoderLayer reads a paged cache shared by a batch; a head is one or two layers,
 so each sequence keeps a contiguous cache grown by doubling, and a batch runs its projections
 over all rows at once and its attention per sequence. RMSNorm, the MLP and rotary are the
-engine's own (specd/engine/model.py, specd/engine/rotary.py).
+engine's own (specd/engine/model/decoder.py, specd/engine/model/rotary.py).
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.engine.model import MLP, RMSNorm
-from specd.engine.model_config import ModelArchConfig
-from specd.engine.rotary import apply_rotary
+from specd.engine.model.config import ModelArchConfig
+from specd.engine.model.decoder import MLP, RMSNorm
+from specd.engine.model.rotary import apply_rotary
 
 
 class KVCache:

@@ -12,7 +12,7 @@ state is this one"); the embeddings and LM head are the target's, frozen, and no
 
 The checkpoint is written in the yuhuili/EAGLE layout (config.json + fc.* + layers.0.*, layer
 0 without input_layernorm), which specd's `eagle` proposer and EAGLE's own code both load,
-with the target's weights fingerprint (specd/engine/fingerprint.py) in config.json.
+with the target's weights fingerprint (specd/engine/model/fingerprint.py) in config.json.
 """
 from __future__ import annotations
 

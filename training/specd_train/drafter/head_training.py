@@ -2,7 +2,7 @@
 
 The data: the draft_model recipe's training prompts with the target's own answers (cached by
 command.py), and the target's hidden states at every position (transformers, bfloat16), in
-the engine's convention (specd/engine/model.py: layer j < L is the input of decoder layer j,
+the engine's convention (specd/engine/model/decoder.py: layer j < L is the input of decoder layer j,
 L the final normed state), cached per layer set because a pass over ~800k tokens takes
 minutes. Then: batches of whole sequences, the optimiser loop, the draft vocabulary, and the
 held-out acceptance replayed through the serving proposer, as the verifier drives it.

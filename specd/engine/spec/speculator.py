@@ -19,10 +19,10 @@ from collections import defaultdict
 from dataclasses import replace
 
 from specd.config import DEFAULT_TREE_NODES, SpeculativeConfig
-from specd.engine.proposal import ProposeRequest
 from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
-from specd.engine.spec_controller import SpecController
+from specd.engine.spec.controller import SpecController
+from specd.engine.spec.proposal import ProposeRequest
 from specd.engine.spec_stats import SpecStats
 
 log = logging.getLogger("specd.speculation")

@@ -28,7 +28,7 @@ plain until its plain tokens earn the slack back.
 """
 from __future__ import annotations
 
-# 0.02 + the plan's 0.01 (spec_controller.PLAN_SHARE) keeps a request at 0.97x of plain decoding
+# 0.02 + the plan's 0.01 (controller.PLAN_SHARE) keeps a request at 0.97x of plain decoding
 # or better, the bound the issue of faster-by-default set.
 SLACK = 0.02
 

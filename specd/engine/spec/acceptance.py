@@ -1,4 +1,4 @@
-"""What the speculation controller knows of its drafters (specd/engine/spec_controller.py decides
+"""What the speculation controller knows of its drafters (specd/engine/spec/controller.py decides
 with it): acceptance per sequence and per drafter, by draft position and by the length a drafter
 offered, what a drafter's drafts cost, and the expected tokens of a draft.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specd.engine.spec_costs import DraftCost
+from specd.engine.spec.costs import DraftCost
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -1,7 +1,7 @@
 """A CausalLM straight from a GGUF file, its matmuls in the file's own quantized types.
 
 The model is built on the meta device and filled module by module. On CPU: matmul weights become
-QuantLinear (packed GGUF blocks, specd/engine/quant.py) where kernels/cpu_quant_matmul.cpp has the
+QuantLinear (packed GGUF blocks, specd/engine/model/quant.py) where kernels/cpu_quant_matmul.cpp has the
 type, the embeddings a QuantEmbedding, norms and biases bfloat16. Nothing is dequantized in bulk, so
 the resident size stays near the file's while loading too. On a GPU (or on CPU with
 SPECD_FORCE_TRITON=1, the tests' stand-in): Q8_0 parts become int8 and Q4_0 / Q4_1 parts int4 for
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from specd.engine.linear import fast_linear
-from specd.engine.model import CausalLM
-from specd.engine.model_config import ModelArchConfig
-from specd.engine.quant import (GPU_TYPES, KERNEL_TYPES, GroupQuantLinear, QuantEmbedding, QuantLinear, QuantPart,
+from specd.engine.model.config import ModelArchConfig
+from specd.engine.model.decoder import CausalLM
+from specd.engine.model.linear import fast_linear
+from specd.engine.model.quant import (GPU_TYPES, KERNEL_TYPES, GroupQuantLinear, QuantEmbedding, QuantLinear, QuantPart,
                                 gpu_weights, pack)
 from specd.models import gguf_convert
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.engine.attention import AttentionMetadata, paged_attention, write_kv
-from specd.engine.linear import InvariantCpuLinear, adopt_linears, fast_linear
-from specd.engine.model_config import ModelArchConfig
-from specd.engine.quant import QuantLinear
-from specd.engine.rotary import RotaryEmbedding, apply_rotary
+from specd.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from specd.engine.model.config import ModelArchConfig
+from specd.engine.model.linear import InvariantCpuLinear, adopt_linears, fast_linear
+from specd.engine.model.quant import QuantLinear
+from specd.engine.model.rotary import RotaryEmbedding, apply_rotary
 
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,8 @@ class CausalLM(nn.Module):
         # then those rows, and every other id gets -inf, so it is never drafted.
         self.head_ids: torch.Tensor | None = None  # [V_d]
         self.head: nn.Module | None = None  # hidden -> logits, built by prepare()
-        self.fingerprint = ""  # of the loaded weights (specd/engine/fingerprint.py), set by the loader
-        # A GGUF file's matmul types where they stay quantized (specd/engine/gguf_weights.py), e.g.
+        self.fingerprint = ""  # of the loaded weights (specd/engine/model/fingerprint.py), set by the loader
+        # A GGUF file's matmul types where they stay quantized (specd/engine/model/gguf_weights.py), e.g.
         # "Q8_0 100%"; None for float weights.
         self.quantization: str | None = None
         # Batch-invariant mode is on and passed the loader's self-test (specd/engine/exactness.py):
@@ -165,7 +165,7 @@ class CausalLM(nn.Module):
         self.stack: tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]] | None = None
 
     def prepare(self, head_ids: torch.Tensor | None = None, batch_invariant: bool = True) -> None:
-        """After the weights are loaded: pick the matmul path (specd/engine/linear.py), build the
+        """After the weights are loaded: pick the matmul path (specd/engine/model/linear.py), build the
         output head (over `head_ids` only when given: a drafter's draft vocabulary), and set up
         batch-invariant mode, in which a token's logits do not depend on what else the step
         computes (greedy speculation then gives the plain tokens in bf16 too). Whether this

@@ -1,7 +1,7 @@
 """Speculation controller: how many drafts (k) each sequence gets this step, and from which
 drafter where several serve (a verifier's pool: e.g. a draft model and a suffix index).
 
-Cost model (docs/architecture.md, "The controller's cost model"), measured online (the acceptance records: spec_acceptance.py):
+Cost model (docs/architecture.md, "The controller's cost model"), measured online (the acceptance records: acceptance.py):
   verify time  V(T), T = tokens in the forward: measured per T up to VerifyCost.TABLE_MAX (a
                CPU's matmul computes rows in register tiles, so e.g. 1-4 rows cost alike and a
                5th costs a tile more: a line through the points misprices every k), a + b·T
@@ -49,9 +49,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from specd.engine.spec_acceptance import DrafterStats, Positions, SeqDrafterStats, expected_tokens
-from specd.engine.spec_costs import RealizedCalibration, VerifyCost
-from specd.engine.spec_ledger import RequestLedger
+from specd.engine.spec.acceptance import DrafterStats, Positions, SeqDrafterStats, expected_tokens
+from specd.engine.spec.costs import RealizedCalibration, VerifyCost
+from specd.engine.spec.ledger import RequestLedger
 
 PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
 MIN_SAMPLES = 8  # verify timings needed before the cost model is trusted
@@ -236,7 +236,7 @@ class SpecController:
     def _within_slack(self, seqs, fixed, k, subset, option, plain, plain_s: float, spec_scale: float,
                       extra: float, base_tokens: int):
         """This speculative option, or as much of it as keeps every sequence within its ledger's
-        slack (spec_ledger): first the drafting sequences whose own drafts would not pay for the
+        slack (ledger.py): first the drafting sequences whose own drafts would not pay for the
         step's time stay plain, then, should a sequence still lose more than it may, the whole step
         does (the rows of a step cost every sequence in it)."""
         for attempt in range(2):
