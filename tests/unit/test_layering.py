@@ -6,11 +6,15 @@ imports inside functions included (a lazy import is still an arrow):
 - the engine never imports a proposer, the CLI or a service: proposers implement the contract in
   specd/engine/spec/proposal.py and reach the engine as objects (LLMEngine's proposer or
   proposer_factory);
+- the engine's rooms point one way: the loop (llm_engine) sits above the others; speculation
+  (engine/spec/) imports the core step's types and never the model; the core step (the rest of
+  engine/) imports the model and never speculation; the model (engine/model/) imports nothing
+  else of the engine. So no circle among the rooms either;
 - nothing outside the CLI's room (specd/cli/) imports it: it is the top;
 - serving never imports training: specd/, kernels and services import nothing of specd_train
   (training/, its own package); the CLI names training's commands as strings;
-- the rooms of specd/ (engine, proposers, models, rpc, cli) each have a docstring that says
-  what the room is for;
+- the rooms of specd/ (engine and its model and spec, proposers, models, rpc, cli) each have a
+  docstring that says what the room is for;
 - no import circle among specd's modules, kernels, services and training (typing-only imports
   under `if TYPE_CHECKING:` are not arrows at run time and are left out).
 """
@@ -27,7 +31,9 @@ SERVICE_PACKAGES = ("specd.gateway", "specd.verifier", "specd.drafter")
 ROOTS = {"specd": REPO / "specd", "specd.kernels": REPO / "kernels", "specd.gateway": REPO / "services" / "gateway",
          "specd.verifier": REPO / "services" / "verifier", "specd.drafter": REPO / "services" / "drafter",
          "specd_train": REPO / "training" / "specd_train"}
-ROOMS = ("engine", "proposers", "models", "rpc", "cli")
+ROOMS = ("engine", "engine/model", "engine/spec", "proposers", "models", "rpc", "cli")
+# The engine's rooms: the loop wires the others together (docs/architecture.md, "Layout")
+ENGINE_LOOP = "specd.engine.llm_engine"
 
 
 def _imports(path: Path, module: str = ""):
@@ -115,6 +121,29 @@ def _offenders(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
             for m in _imports(path, name) if m.startswith(forbidden)]
 
 
+def _engine_room(module: str) -> str | None:
+    """Which of the engine's rooms a module is in: model, spec, loop or core (the rest of engine/);
+    None outside the engine and for the package itself, which imports nothing."""
+    if not module.startswith("specd.engine."):
+        return None
+    if module == ENGINE_LOOP or module.startswith(ENGINE_LOOP + "."):
+        return "loop"
+    room = module.split(".")[2]
+    return room if room in ("model", "spec") else "core"
+
+
+def _room_arrows() -> dict[tuple[str, str], list[str]]:
+    """(from room, to room) -> the imports that make that arrow, between different engine rooms."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for name, path in _modules().items():
+        source = _engine_room(name)
+        for m in _imports(path, name) if source else ():
+            target = _engine_room(m)
+            if target and target != source:
+                arrows.setdefault((source, target), []).append(f"{name}: {m}")
+    return arrows
+
+
 def test_core_never_imports_services():
     core = {n: p for n, p in _modules().items() if p.is_relative_to(REPO / "specd")}
     offenders = [f"{n}: {m}" for n, p in core.items() for m in _imports(p, n) if m.startswith(SERVICE_PACKAGES)]
@@ -123,6 +152,35 @@ def test_core_never_imports_services():
 
 def test_the_engine_imports_no_proposer_cli_or_service():
     assert not _offenders("specd.engine", ("specd.proposers", "specd.cli", *SERVICE_PACKAGES))
+
+
+def test_the_model_imports_nothing_else_of_the_engine():
+    arrows = _room_arrows()
+    assert not [m for room in ("core", "spec", "loop") for m in arrows.get(("model", room), [])]
+
+
+def test_speculation_imports_neither_the_model_nor_the_loop():
+    """Drafts are tokens, and hidden states reach a drafter as a sequence's FeatureRows: the
+    speculator works on the core step's types only."""
+    arrows = _room_arrows()
+    assert not arrows.get(("spec", "model")) and not arrows.get(("spec", "loop"))
+    assert arrows.get(("spec", "core")), "the speculator no longer reads the core step's types: update the rule"
+
+
+def test_the_core_step_never_imports_speculation_or_the_loop():
+    """The loop alone creates the speculator; the counters a Sequence carries are core types
+    (engine/spec_stats.py)."""
+    arrows = _room_arrows()
+    assert not arrows.get(("core", "spec")) and not arrows.get(("core", "loop"))
+
+
+def test_the_engine_rooms_point_one_way():
+    rooms: dict[str, set[str]] = {}
+    for source, target in _room_arrows():
+        rooms.setdefault(source, set()).add(target)
+        rooms.setdefault(target, set())
+    assert set(rooms) == {"model", "spec", "core", "loop"}
+    assert not _circles(rooms)
 
 
 def test_nothing_imports_the_cli():
@@ -156,3 +214,6 @@ def test_the_checks_see_what_they_forbid(tmp_path):
     assert "specd.cli" not in found  # typing only
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+    assert [_engine_room(m) for m in ("specd.engine.model.decoder", "specd.engine.spec.speculator",
+                                      "specd.engine.sequence", "specd.engine.llm_engine", "specd.engine",
+                                      "specd.proposers.base")] == ["model", "spec", "core", "loop", None, None]
