@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import random
 
-from specd.engine.spec.controller import EXPLORE_SHARE, MIN_SAMPLES, SpecController, expected_tokens
+from specd.engine.spec.acceptance import expected_tokens
+from specd.engine.spec.controller import MIN_SAMPLES, SpecController
 from specd.engine.spec.costs import DraftCost, LinearCost, RealizedCalibration, VerifyCost
+from specd.engine.spec.exploration import EXPLORE_SHARE
 from specd.engine.spec_stats import SpecStats
 
 
@@ -184,7 +186,7 @@ def test_exploration_spends_a_bounded_share_of_verify_time():
     # When the exploring sequence leaves the batch another one takes over.
     c.grant_exploration(1.0)
     others = [s for s in seqs if s[0] != explored[0]]
-    assert c.choose(others, base_tokens=31)[0] > 0 and c.explore_seq == others[0][0]
+    assert c.choose(others, base_tokens=31)[0] > 0 and c.exploration.seq == others[0][0]
     # A sequence whose request fixed k = 0 is never explored.
     c.grant_exploration(1.0)
     assert c.choose([(0, 4, 0)], base_tokens=1) == [0]
@@ -500,7 +502,7 @@ def test_acceptance_by_position_prices_a_long_copy():
     c = _copying_drafter(verify, drafts_of=16)
     ((k, name),) = c.plan([(7, 16, None)], 1, ["suffix"])
     assert name == "suffix" and k == 16
-    accepted, rows = c._curve(7, "suffix", c.estimates(7, "suffix")[0], 16)
+    accepted, rows = c.prices.curve(7, "suffix", c.estimates(7, "suffix")[0], 16)
     assert abs(accepted - 0.5 * 16) < 0.8 and rows > 15  # half the drafts accepted whole, all 16 rows verified
 
 
@@ -544,9 +546,9 @@ def test_offered_drafts_are_read_by_their_length():
     _decoded(c, [1, 2])
     plan = c.plan([(1, 8, None), (2, 8, None)], 2, ["suffix"], offered={1: {"suffix": 8}, 2: {"suffix": 1}})
     assert plan[0] == (8, "suffix") and plan[1][0] == 0
-    accepted, rows = c._offered_curve(1, "suffix", 8, 8)
+    accepted, rows = c.prices.offered_curve(1, "suffix", 8, 8)
     assert rows == 8 and 0.8 * 8 - 1.0 < accepted < 0.8 * 8 + 1.0
-    short, _ = c._offered_curve(2, "suffix", 8, 1)
+    short, _ = c.prices.offered_curve(2, "suffix", 8, 1)
     assert short < 0.3  # 0.1 measured, drawn a little towards the drafter over all lengths
 
 
@@ -562,7 +564,7 @@ def test_an_offer_is_priced_by_its_source_and_length_not_the_sequence_s_last_dra
         c.observe_proposal(1, "suffix", True)
         c.observe_accept(1, 4, 0, "suffix", offered=4)
     assert c.estimates(1, "suffix")[0] < 0.1
-    accepted, rows = c._offered_curve(1, "suffix", 8, 1)
+    accepted, rows = c.prices.offered_curve(1, "suffix", 8, 1)
     assert rows == 1 and 0.2 < accepted < 0.3
     assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
 
@@ -711,7 +713,7 @@ def test_an_offered_draft_needs_only_a_small_margin_a_drafter_to_be_asked_the_wi
 
     verify = lambda t: 0.010 + 0.001 * (t - 1)  # noqa: E731 — a row costs 10% of a step
     c = _offering_drafter(verify, {1: 0.2}, rounds=2000)
-    accepted, _ = c._offered_curve(1, "suffix", 8, 1)
+    accepted, _ = c.prices.offered_curve(1, "suffix", 8, 1)
     assert OFFER_SWITCH_MARGIN < (1 + accepted) / 1.1 < SWITCH_MARGIN
     assert c.plan([(1, 8, None)], 1, ["suffix"], offered={1: {"suffix": 1}})[0] == (1, "suffix")
 
@@ -725,7 +727,7 @@ def test_an_offered_draft_needs_only_a_small_margin_a_drafter_to_be_asked_the_wi
         m.observe_proposal(9, "model", True, 1, 1)
         m.observe_accept(9, 1, int(rng.random() < 0.2), "model")
     m.grant_exploration(0.0)
-    accepted, _ = m._curve(1, "model", m.estimates(1, "model")[0], 1)
+    accepted, _ = m.prices.curve(1, "model", m.estimates(1, "model")[0], 1)
     assert OFFER_SWITCH_MARGIN < (1 + accepted) / 1.1 < SWITCH_MARGIN
     assert m.plan([(1, 8, None)], 1, ["model"])[0][0] == 0
 

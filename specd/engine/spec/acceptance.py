@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from specd.engine.spec.costs import DraftCost
 
+PRIOR_ALPHA = 0.6  # acceptance assumed for a sequence before it has any history
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     if k == 0:

@@ -121,7 +121,7 @@ class Speculator:
                       "%d of %d offer %d tokens; rates (plain raw, calibrated; best spec k, raw, calibrated) %s",
                       len(decoding), c.step_mode, plan[:4], first,
                       {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
-                      {n: round(v * 1e3, 2) for n, v in c.explore_credit.items()},
+                      {n: round(v * 1e3, 2) for n, v in c.exploration.credit.items()},
                       c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
                       {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3,
                       c.slack_plain_steps, first, c.ledger.headroom(first),
