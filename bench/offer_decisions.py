@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     controller = speculator.controller
     step_log: list[dict] = []  # this run's steps: forward tokens, and where a plan ran, its offer and k
     current: dict = {}
-    ask, plan, reuse, step = speculator._offers, controller.plan, controller.reuse_plain, engine.step
+    ask, plan, reuse, step = speculator.offers.ask, controller.plan, controller.reuse_plain, engine.step
 
     def asked(decoding, *a, **kw):
         offers = ask(decoding, *a, **kw)
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                          "seconds": engine.timings.verify_s - verify_s})
         return finished
 
-    speculator._offers, controller.plan, controller.reuse_plain, engine.step = asked, planned, reused, logged_step
+    speculator.offers.ask, controller.plan, controller.reuse_plain, engine.step = asked, planned, reused, logged_step
 
     def run(prompt, k):
         step_log.clear()

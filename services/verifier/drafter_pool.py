@@ -94,7 +94,7 @@ class DrafterPool:
 
     def add_local(self, name: str, proposer) -> None:
         """An index drafter in this process (its proposer answers inline: answers_inline)."""
-        from specd.engine.spec.speculator import offers_chains_inline
+        from specd.engine.spec.offers import offers_chains_inline
 
         if not offers_chains_inline(proposer):
             raise ValueError(f"local drafter {name!r}: only index drafters (suffix, ngram) drafting chains, not "

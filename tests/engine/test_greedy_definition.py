@@ -13,7 +13,7 @@ import torch
 from head_layouts import write_layout
 
 from specd import SamplingParams
-from specd.engine.spec import speculator as speculator_module
+from specd.engine.spec import offers as offers_module, speculator as speculator_module
 from specd.models.demo_paths import demo_model_dir
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,8 @@ def test_top_k_1_at_temperature_0_7_is_greedy_everywhere(configs, get_llm, monke
         seen.append(kwargs["temperature"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(speculator_module, "ProposeRequest", recording)
+    for module in (offers_module, speculator_module):  # the index drafters' offers, the other drafters' asks
+        monkeypatch.setattr(module, "ProposeRequest", recording)
     cfg = {**configs[name], "num_speculative_tokens": 3, "adaptive": False}
     llm = get_llm(TARGET, fresh=True, speculative_config=cfg)
     ids = llm.tokenizer.encode(PROMPT)

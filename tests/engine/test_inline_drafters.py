@@ -5,7 +5,7 @@ goes to the global cache)."""
 from __future__ import annotations
 
 from specd import SamplingParams
-from specd.engine.spec.speculator import ASK_ANYWAY_EVERY
+from specd.engine.spec.offers import ASK_ANYWAY_EVERY
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -17,7 +17,7 @@ def test_an_index_drafter_is_asked_before_each_plan(model_dirs, get_llm, make_pr
     llm = get_llm(target, fresh=True, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
     speculator = llm.engine.speculator
     proposer, controller = speculator.proposer, speculator.controller
-    assert speculator.inline == {"suffix": proposer}
+    assert speculator.offers.drafters == {"suffix": proposer}
     events, known = [], {}  # ("propose", requests) and ("plan", seqs, offered) in call order
 
     def propose(requests, _propose=proposer.propose):

@@ -266,11 +266,11 @@ def test_speculator_cuts_invalid_trees():
     from specd.config import SpeculativeConfig
 
     spec = Speculator(SpeculativeConfig(method="ngram", tree={"branching": [2], "max_nodes": 5}), None, 100, 1000)
-    ok = spec._validated(Proposal(0, [5, 6, 7, 8], parents=[-1, -1, 0, 2]), k=3)
+    ok = spec.validator.validated(Proposal(0, [5, 6, 7, 8], parents=[-1, -1, 0, 2]), k=3)
     assert ok[0] == [5, 6, 7, 8] and ok[2] == [-1, -1, 0, 2]
-    assert spec._validated(Proposal(0, [5, 6, 7], parents=[-1, 2, 0]), k=3)[0] == [5]  # forward parent
-    assert spec._validated(Proposal(0, [5, 6, 7], parents=[-1, 0, 1]), k=2)[0] == [5, 6]  # deeper than k
-    assert spec._validated(Proposal(0, [5, 600, 7], parents=[-1, 0, 1]), k=3)[0] == [5]  # outside the vocab
-    assert len(spec._validated(Proposal(0, list(range(9)), parents=[-1] * 9), k=3)[0]) == 5  # max_nodes
+    assert spec.validator.validated(Proposal(0, [5, 6, 7], parents=[-1, 2, 0]), k=3)[0] == [5]  # forward parent
+    assert spec.validator.validated(Proposal(0, [5, 6, 7], parents=[-1, 0, 1]), k=2)[0] == [5, 6]  # deeper than k
+    assert spec.validator.validated(Proposal(0, [5, 600, 7], parents=[-1, 0, 1]), k=3)[0] == [5]  # outside the vocab
+    assert len(spec.validator.validated(Proposal(0, list(range(9)), parents=[-1] * 9), k=3)[0]) == 5  # max_nodes
     chains_only = Speculator(SpeculativeConfig(method="ngram"), None, 100, 1000)
-    assert chains_only._validated(Proposal(0, [5, 6], parents=[-1, 0]), k=3)[0] == []
+    assert chains_only.validator.validated(Proposal(0, [5, 6], parents=[-1, 0]), k=3)[0] == []

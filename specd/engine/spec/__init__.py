@@ -1,4 +1,5 @@
-"""Speculation: the speculator (speculator.py: drafts before a step's forward, counters after), the
+"""Speculation: the speculator (speculator.py: drafts before a step's forward, counters after; the
+in-process index drafters' offers, offers.py; a proposer's answer checked, validation.py), the
 controller that picks k and the drafter per sequence from its online cost model (controller.py: the
 plan; record.py: what happened, which the plan reads; pricing.py: a plan's prices of drafts;
 exploration.py), what it measures (acceptance.py, costs.py, ledger.py), and the proposer contract

@@ -67,6 +67,13 @@ class ProposeRequest:
     skip_sources: frozenset[str] = frozenset()
 
 
+def drafting_temperature(params) -> float:
+    """The temperature drafters get: 0 for a greedy request, whatever its temperature field says
+    (top_k 1 at T 0.7 is greedy: SamplingParams.greedy is the one definition), so a drafter plans
+    and drafts it as the verifier verifies it."""
+    return 0.0 if params.greedy else params.temperature
+
+
 @dataclass
 class Proposal:
     seq_id: int

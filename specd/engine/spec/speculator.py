@@ -1,64 +1,50 @@
 """The speculative part of an engine step: drafts before the forward, counters after.
 
 propose: in-process index drafters (suffix, ngram: a lookup of microseconds, answers_inline)
-  are asked first, every step, for every decoding sequence at its full k; the controller then
-  picks k and the drafter per sequence knowing what they offered, the other proposers (the
-  same objects the drafter service hosts, or a verifier's pool of drafter services) draft
-  for the sequences it sent to them, and the validated drafts go back to the engine as
-  Drafts per sequence; the scheduler attaches them to the batch ([last token, d1 .. dk],
-  all with logits). Verification is the sampler's (specd.engine.sampler).
+  are asked first, every step, for every decoding sequence at its full k (offers.py); the
+  controller then picks k and the drafter per sequence knowing what they offered, the other
+  proposers (the same objects the drafter service hosts, or a verifier's pool of drafter
+  services) draft for the sequences it sent to them, and the validated drafts (validation.py)
+  go back to the engine as Drafts per sequence; the scheduler attaches them to the batch
+  ([last token, d1 .. dk], all with logits). Verification is the sampler's (specd.engine.sampler).
 observe: acceptance per sequence feeds the controller and the per-drafter counters.
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 from specd.config import DEFAULT_TREE_NODES, SpeculativeConfig
 from specd.engine.scheduler import Drafts, ScheduledSeq
 from specd.engine.sequence import Sequence
 from specd.engine.spec.controller import SpecController
-from specd.engine.spec.proposal import ProposeRequest
+from specd.engine.spec.offers import InlineOffers
+from specd.engine.spec.proposal import ProposeRequest, drafting_temperature
+from specd.engine.spec.validation import DraftValidator
 from specd.engine.spec_stats import SpecStats
 
 log = logging.getLogger("specd.speculation")
-# Where none of an in-process index's drafts could pay (a CPU at batch 32), it is still asked every
-# this many steps: the plan may take or explore what it offers, so its acceptance keeps being measured.
-ASK_ANYWAY_EVERY = 16
 
-
-
-def drafting_temperature(params) -> float:
-    """The temperature drafters get: 0 for a greedy request, whatever its temperature field says
-    (top_k 1 at T 0.7 is greedy: SamplingParams.greedy is the one definition), so a drafter plans
-    and drafts it as the verifier verifies it."""
-    return 0.0 if params.greedy else params.temperature
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer, vocab_size: int, max_model_len: int):
         self.config, self.proposer = config, proposer
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.max_model_len = max_model_len
         self.controller = SpecController(config.num_speculative_tokens, config.adaptive)
         self.lossy = config.rejection_sample_method != "strict"
         # The most tree nodes one sequence may send (a chain's bound is k). Drafter services
         # (method None) and combined proposers may send trees within the default budget unless
         # the config sets one.
-        self.max_tree_nodes = config.tree.max_nodes if config.tree is not None else (
+        max_tree_nodes = config.tree.max_nodes if config.tree is not None else (
             DEFAULT_TREE_NODES if config.method in (None, "combined") else 0)
+        self.validator = DraftValidator(vocab_size, max_tree_nodes, self.lossy)
+        # The in-process index drafters, asked before each plan (offers.py).
+        self.offers = InlineOffers(proposer, config.method, self.controller, self.validator)
         # Counters per drafter (the in-process proposer counts as its method): the verifier
         # exports them as Prometheus counters labelled by drafter.
         self.stats_by_drafter: dict[str, SpecStats] = defaultdict(SpecStats)
-        # In-process index drafters asked before each plan, and how much of each sequence's
-        # history each has been sent (its own count: the chosen drafter's is seq.spec_sent).
-        self._inline_sent: dict[tuple[str | None, int], int] = {}
-        self._steps_unasked: dict[str | None, int] = {}  # steps since each inline drafter was last asked
-        self.offer_seconds = 0.0  # the last step's asking of the inline drafters (the debug log prints it)
-        self.offered_nothing = False  # the last step asked an inline drafter and got no draft from any
-        self._offer_sources: dict[int, dict[str | None, str]] = {}  # the last offers' sources (Proposal.source)
         self._reads_history = False  # this step sends a drafter (not an in-process index) a whole history
 
     @property
@@ -96,7 +82,8 @@ class Speculator:
             return {}
         # An in-process index may draft past the config's k (its own num_speculative_tokens): its draft
         # is made before the plan, and costs only the rows verified where it is taken.
-        limit = max([self.config.num_speculative_tokens, *(getattr(p, "k", 0) for p in self.inline.values())])
+        limit = max([self.config.num_speculative_tokens,
+                     *(getattr(p, "k", 0) for p in self.offers.drafters.values())])
         caps = [self._cap(e.seq, budget_left, limit) for e in decoding]
         for e in decoding:
             if e.seq.seq_id not in self.controller.sampled:
@@ -108,37 +95,44 @@ class Speculator:
             return {}  # plain decoding, as the last plan wanted: no offers asked, no plan made
         t0 = time.perf_counter()
         names = self._drafter_names()
-        offers = self._offers(decoding, caps, pinned, names, base_tokens)
+        offers = self.offers.ask(decoding, caps, pinned, names, base_tokens, [own_k for _, _, own_k in seqs])
         plan = self.controller.plan(seqs, base_tokens, names, pinned,
                                     {sid: {n: len(d) for n, d in by.items()} for sid, by in offers.items()},
-                                    self._offer_sources)
-        self.controller.planned(time.perf_counter() - t0, base_tokens, nothing_offered=self.offered_nothing)
+                                    self.offers.sources)
+        self.controller.planned(time.perf_counter() - t0, base_tokens, nothing_offered=self.offers.nothing)
         if log.isEnabledFor(logging.DEBUG):  # why a step speculates or not (--log-level debug)
-            c, first = self.controller, decoding[0].seq.seq_id
-            log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
-                      "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask); "
-                      "steps kept plain by the requests' slack so far %d, seq %d's slack %.2f steps; "
-                      "%d of %d offer %d tokens; rates (plain raw, calibrated; best spec k, raw, calibrated) %s",
-                      len(decoding), c.step_mode, plan[:4], first,
-                      {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
-                      {n: round(v * 1e3, 2) for n, v in c.exploration.credit.items()},
-                      c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
-                      {n: len(d) for n, d in offers.get(first, {}).items()}, self.offer_seconds * 1e3,
-                      c.slack_plain_steps, first, c.ledger.headroom(first),
-                      sum(any(d for d in by.values()) for by in offers.values()), len(decoding),
-                      sum(len(d) for by in offers.values() for d in by.values()),
-                      c.rates and tuple(round(x, 1) for x in c.rates))
+            self._log_plan(decoding, plan, offers)
+        return self._planned_drafts(decoding, plan, offers)
+
+    def _log_plan(self, decoding: list[ScheduledSeq], plan: list, offers: dict) -> None:
+        c, first = self.controller, decoding[0].seq.seq_id
+        log.debug("step of %d: %s, (k, drafter) %s; seq %d's (alpha, made) by drafter %s; explore credit %s; "
+                  "predicted over realized time: plain %.2f, spec %.2f; offers of %s (%.2f ms to ask); "
+                  "steps kept plain by the requests' slack so far %d, seq %d's slack %.2f steps; "
+                  "%d of %d offer %d tokens; rates (plain raw, calibrated; best spec k, raw, calibrated) %s",
+                  len(decoding), c.step_mode, plan[:4], first,
+                  {n: tuple(round(x, 2) for x in c.estimates(first, n)) for n in self._drafter_names()},
+                  {n: round(v * 1e3, 2) for n, v in c.exploration.credit.items()},
+                  c.calibration.scale(len(decoding), "plain"), c.calibration.scale(len(decoding), "spec"),
+                  {n: len(d) for n, d in offers.get(first, {}).items()}, self.offers.seconds * 1e3,
+                  c.slack_plain_steps, first, c.ledger.headroom(first),
+                  sum(any(d for d in by.values()) for by in offers.values()), len(decoding),
+                  sum(len(d) for by in offers.values() for d in by.values()),
+                  c.rates and tuple(round(x, 1) for x in c.rates))
+
+    def _planned_drafts(self, decoding: list[ScheduledSeq], plan: list, offers: dict) -> dict[int, Drafts]:
+        """The plan's drafts: those offered already, and the other drafters' asked for now."""
         requests, entries, out = [], [], {}
         layers = self.feature_layers
         for e, (k, drafter) in zip(decoding, plan):
             if k <= 0:
                 continue
             seq = e.seq
-            if drafter in self.inline:  # drafted already
+            if drafter in self.offers.drafters:  # drafted already
                 drafts = offers.get(seq.seq_id, {}).get(drafter, [])
                 self.controller.observe_proposal(seq.seq_id, drafter, bool(drafts))
                 if drafts:
-                    source = self._offer_sources.get(seq.seq_id, {}).get(drafter, "")
+                    source = self.offers.sources.get(seq.seq_id, {}).get(drafter, "")
                     out[seq.seq_id] = Drafts(drafts[:k], None, drafter, offered=len(drafts), source=source)
                 continue
             # A drafter new to this sequence reads its whole history first.
@@ -175,73 +169,10 @@ class Speculator:
                 held = p.history_held if p is not None else 0
                 e.seq.spec_features_from = held if held < req.features_from else 0
                 continue
-            drafts, q, parents = self._validated(p, req.k)
+            drafts, q, parents = self.validator.validated(p, req.k)
             if drafts:
                 out[e.seq.seq_id] = Drafts(drafts, q or None, p.drafter or self.config.method, parents, p.cached)
         return out
-
-    def _offers(self, decoding: list[ScheduledSeq], caps: list[int], pinned: dict[int, str],
-                names: list[str | None], base_tokens: int) -> dict[int, dict[str | None, list[int]]]:
-        """Every in-process index drafter's draft for every decoding sequence that may draft, at its
-        cap: {seq_id: {drafter: validated drafts}} (a lookup costs microseconds, so whether a
-        sequence has a draft, and how long, is known before the plan). Where no draft of this
-        drafter could pay at this batch size (controller.offers_may_pay), only the sequences whose
-        request named it or set its own k are asked; the others read as offering nothing."""
-        out: dict[int, dict[str | None, list[int]]] = {}
-        self._offer_sources = {}
-        t0 = time.perf_counter()
-        num_asked = num_drafted = 0
-        kinds = {not e.seq.params.greedy for e in decoding}
-        for name, proposer in self.inline.items():
-            if name not in names:
-                continue
-            # Now and then asked anyway: what it offers, and how much of that is accepted, stays measured
-            # (a workload that starts repeating its prompt would otherwise never reopen it).
-            unasked = self._steps_unasked.get(name, 0) + 1
-            may_pay, priced_out = self.controller.offers_may_pay(name, len(decoding), base_tokens, max(caps), kinds)
-            if unasked >= ASK_ANYWAY_EVERY:  # every source, now and then
-                may_pay, priced_out = True, frozenset()
-            self._steps_unasked[name] = 0 if may_pay and not priced_out else unasked
-            requests, asked = [], {}
-            for e, cap in zip(decoding, caps):
-                seq, sid = e.seq, e.seq.seq_id
-                fixed = self._fixed_k(seq)
-                if cap <= 0 or fixed == 0 or pinned.get(sid, name) != name:
-                    continue
-                if not may_pay and fixed is None and sid not in pinned:
-                    out.setdefault(sid, {})[name] = []
-                    continue
-                sent, length = self._inline_sent.get((name, sid), 0), len(seq)
-                requests.append(ProposeRequest(
-                    seq_id=sid, new_tokens=seq.token_slice(sent, length), num_tokens=length, k=cap,
-                    full_history=sent == 0, num_prompt_tokens=len(seq.prompt_token_ids),
-                    temperature=drafting_temperature(seq.params), seed=seq.params.seed, drafter=name,
-                    cache_output=seq.params.cache_output, skip_sources=priced_out))
-                self._inline_sent[name, sid] = length
-                asked[sid] = cap
-            for p in proposer.propose(requests) if requests else []:
-                if p.seq_id not in asked:
-                    continue
-                if p.resync:
-                    self._inline_sent.pop((name, p.seq_id), None)  # the whole history next step
-                    continue
-                drafts, _, _ = self._validated(replace(p, q_ids=None, q_probs=None), asked[p.seq_id])
-                out.setdefault(p.seq_id, {})[name] = drafts
-                if drafts and p.source:
-                    self._offer_sources.setdefault(p.seq_id, {})[name] = p.source
-                num_drafted += bool(drafts)
-            num_asked += len(asked)
-        self.offered_nothing = num_asked > 0 and num_drafted == 0
-        self.offer_seconds = time.perf_counter() - t0
-        return out
-
-    @property
-    def inline(self) -> dict:
-        """The in-process index drafters by name: a pool's local ones, else the one proposer if it is one."""
-        local = getattr(self.proposer, "inline_drafters", None)
-        if local is not None:
-            return local
-        return {self.config.method: self.proposer} if offers_chains_inline(self.proposer) else {}
 
     def _drafter_names(self) -> list[str | None]:
         """The drafters the controller chooses among: a pool's healthy ones, else the one proposer."""
@@ -318,43 +249,6 @@ class Speculator:
             cap = min(cap, budget_left)
         return max(0, cap)
 
-    def _validated(self, p, k: int):
-        """Drafts cut at the first bad entry: a proposer never corrupts output, it only costs drafts.
-        A tree (p.parents) keeps its first nodes up to max_tree_nodes while each has a parent
-        before it and a depth of at most k (k + 1 tokens may commit); a prefix of a tree whose
-        parents point backwards is a tree. -> (drafts, q, parents or None for a chain)."""
-        parents = p.parents
-        if parents is not None and (not self.max_tree_nodes or self.lossy):
-            return [], None, None  # this engine verifies chains only (lossy acceptance: chains only)
-        drafts, depth = [], []
-        limit = k if parents is None else min(self.max_tree_nodes, len(parents))
-        for i, t in enumerate(p.token_ids[:limit]):
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                break
-            if parents is not None:
-                par = parents[i]
-                if not isinstance(par, int) or not -1 <= par < i:
-                    break
-                d = 1 if par < 0 else depth[par] + 1
-                if d > k:
-                    break
-                depth.append(d)
-            drafts.append(t)
-        q = None
-        if p.q_ids:  # sampled drafts: the sparse q must be a distribution that contains the draft
-            ok = p.q_probs is not None and len(p.q_ids) >= len(drafts) and len(p.q_probs) >= len(drafts)
-            q = list(zip(p.q_ids, p.q_probs or []))[: len(drafts)] if ok else []
-            if not ok or not all(self._valid_q(t, ids, probs) for t, (ids, probs) in zip(drafts, q)):
-                return [], None, None
-        return drafts, q, None if parents is None else list(parents[: len(drafts)])
-
-    def _valid_q(self, draft: int, ids: list[int], probs: list[float]) -> bool:
-        if not ids or len(ids) != len(probs) or len(set(ids)) != len(ids):
-            return False
-        if not all(0 <= i < self.vocab_size for i in ids) or not all(math.isfinite(x) and x >= 0 for x in probs):
-            return False
-        return abs(sum(probs) - 1.0) < 1e-3 and probs[ids.index(draft)] > 0 if draft in ids else False
-
     # -- after the step ----------------------------------------------------------
     def observe(self, batch: list[ScheduledSeq], num_accepted: list[int]) -> None:
         """num_accepted[i]: accepted drafts of the i-th entry with logits."""
@@ -379,18 +273,9 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self.controller.release(seq.seq_id)
-        for name, proposer in self.inline.items():
-            if self._inline_sent.pop((name, seq.seq_id), None) is not None:
-                proposer.release([seq.seq_id])
+        self.offers.release(seq.seq_id)
         if seq.spec_sent:
             self.proposer.release([seq.seq_id])
-
-
-def offers_chains_inline(proposer) -> bool:
-    """Whether a proposer can be asked before each plan: an index that answers in microseconds
-    (answers_inline) and drafts chains (an n-gram index set to draft trees does not: the plan prices
-    an offered draft by its length)."""
-    return getattr(proposer, "answers_inline", False) and getattr(proposer, "tree_branches", 1) <= 1
 
 
 def _depth(parents: list[int]) -> int:
