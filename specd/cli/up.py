@@ -23,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a drafter to start (repeatable): draft_model[:MODEL], ngram[:OPTIONS] or suffix[:OPTIONS] "
                         "(OPTIONS: the drafter's --options JSON) as a drafter service "
                         "(default, with neither this nor --local-drafter: draft_model on the default target's "
-                        "trained drafter, and suffix inside the verifier, drafting from the default target's datastore "
-                        "of its own answers too)")
+                        "trained drafter). The suffix index inside the verifier comes with any of them (drafting "
+                        "from the default target's datastore of its own answers too, where the vocabulary matches) "
+                        "unless --local-drafter or a suffix service is named")
     p.add_argument("--local-drafter", action="append", default=None, metavar="METHOD[:OPTIONS]",
                    help="an index drafter (suffix or ngram) inside each verifier process instead of a service: "
                         "asked every step for tens of microseconds (repeatable)")
@@ -291,12 +292,18 @@ def run(args) -> int:
     drafters = [parse_drafter(d) for d in (args.drafter or [])] if not defaults else [] if args.target else [
         ("draft_model", None)]
     local = [parse_drafter(d) for d in (args.local_drafter or [])]
-    if defaults:
+    # The suffix index inside the verifier costs nothing to keep: it comes with any drafters named as
+    # services (a draft model drafts little of a code edit, which the index copies), unless the user
+    # names the drafters inside the verifier or a suffix service.
+    if args.local_drafter is None and not args.no_speculation and all(m != "suffix" for m, _ in drafters):
         suffix, source = default_suffix(args.target)
         local = [parse_drafter(suffix)]
         if args.target:  # what it chose, and the one thing only the user can add
-            print(f"drafters: none named, so the suffix index inside the verifier, drafting from {source}; "
-                  "--drafter draft_model:FILE_OR_DIR adds a draft model of the same tokenizer", file=sys.stderr, flush=True)
+            named = ", ".join(m for m, _ in drafters)
+            print(f"drafters: {named + ' as a service, and ' if named else 'none named, so '}the suffix index inside "
+                  f"the verifier, drafting from {source}"
+                  + ("" if drafters else "; --drafter draft_model:FILE_OR_DIR adds a draft model of the same tokenizer"),
+                  file=sys.stderr, flush=True)
     if args.no_speculation:
         drafters, local = [], []
     if {m for m, _ in local} & {m for m, _ in drafters}:

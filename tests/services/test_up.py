@@ -202,8 +202,10 @@ def test_up_with_tls_serves_https_and_grpc_over_tls(launcher, tmp_path):
         verifier = f"127.0.0.1:{ports['verifier']}"
         secret = auth.read_secret(str(auth.up_token_file(verifier)))
         stub = pbg.VerifierStub(auth.sync_channel(verifier, auth.Security(secret=secret, tls_ca=cert), auth.VERIFIER))
-        (ngram,) = stub.ListDrafters(pb.ListDraftersRequest(), timeout=30).drafters  # reached over TLS, trusted
-        assert ngram.healthy and ngram.trusted
+        drafters = {d.name: d for d in stub.ListDrafters(pb.ListDraftersRequest(), timeout=30).drafters}
+        # the ngram service reached over TLS, trusted; the suffix index inside the verifier beside it
+        assert set(drafters) == {"ngram", "suffix"} and drafters["suffix"].address == "in-process"
+        assert drafters["ngram"].healthy and drafters["ngram"].trusted
         plain = pbg.VerifierStub(auth.sync_channel(verifier, auth.Security(secret=secret), auth.VERIFIER))
         with pytest.raises(grpc.RpcError):
             plain.Info(pb.InfoRequest(), timeout=5)
