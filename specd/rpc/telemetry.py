@@ -26,8 +26,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from specd.engine import kv_memory
-
 log = logging.getLogger("specd.rpc.telemetry")
 
 # Latency buckets (seconds) from 1 ms to 60 s: covers CPU demo models and GPU serving.
@@ -51,6 +49,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
 def register_kv_memory(registry: CollectorRegistry) -> None:
     """The process's CPU KV caches: their size and how much of them is resident (read at scrape
     time). RSS that grows while resident bytes grow is a cache filling its pages, not a leak."""
+    from specd.engine import kv_memory  # here: the gateway imports this module and never torch
+
     Gauge("specd_kv_cache_bytes", "Size of the CPU KV caches (blocks never written take no memory)",
           registry=registry).set_function(kv_memory.cache_bytes)
     Gauge("specd_kv_cache_resident_bytes", "Bytes of the CPU KV caches in memory: pages written at least once",
