@@ -96,15 +96,16 @@ def test_drafters_cli_lists_removes_and_adds(up, tmp_path):
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     # The drafters `specd up` started hold its secret: trusted. Without it the verifier answers nothing.
+    # The suffix index inside the verifier comes with the services named.
     assert [(r["name"], r["method"], r["healthy"], r["trusted"]) for r in rows] == [
-        ("draft_model", "draft_model", True, True), ("ngram", "ngram", True, True)]
+        ("suffix", "suffix", True, True), ("draft_model", "draft_model", True, True), ("ngram", "ngram", True, True)]
     env = dict(os.environ, SPECD_CACHE=str(tmp_path))  # no token file there
     refused = subprocess.run([sys.executable, "-m", "specd.cli", "drafters", "--verifier", verifier, "list"],
                              capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 1 and refused.stderr.startswith("error: unauthenticated"), refused.stderr
     assert _specd("drafters", "--verifier", verifier, "remove", "ngram").returncode == 0
     names = [json.loads(line)["name"] for line in _specd("drafters", "--verifier", verifier, "list", "--json").stdout.splitlines()]
-    assert names == ["draft_model"]
+    assert names == ["suffix", "draft_model"]
     added = _specd("drafters", "--verifier", verifier, "add", "ngram-again", f"127.0.0.1:{up['ports']['drafter'] + 1}")
     assert added.returncode == 0 and json.loads(added.stdout)["healthy"] is True
     assert json.loads(added.stdout)["trusted"] is False  # added without --trusted
