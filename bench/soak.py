@@ -17,7 +17,9 @@ Measured per --window minutes and in total: requests sent, completed, closed on 
 its status and message, and whether it was in flight on a replica killed at that moment: the only failures
 allowed); greedy answers of 8 fixed prompts against their k = 0 text taken before the faults (0 may
 change); RSS and open file descriptors (sockets: the gRPC channels and HTTP connections) of every
-process; free KV blocks of each replica when idle, at the start and at the end; p50/p99 TTFT and
+process, and of it the KV caches' resident bytes (specd_kv_cache_resident_bytes: a cache's pages become
+resident as its blocks are first written, so RSS climbs towards the cache's size as traffic cycles
+through the blocks; the growth of RSS outside the caches is what a leak would show); free KV blocks of each replica when idle, at the start and at the end; p50/p99 TTFT and
 inter-token latency.
 """
 from __future__ import annotations
@@ -53,6 +55,21 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 CONCURRENCY = [1, 4, 8, 16, 32]  # a step a minute: every 5-minute window holds the same mix
 
+
+
+def kv_resident_bytes(pid: int) -> int | None:
+    """specd_kv_cache_resident_bytes from the process's /metrics (its --metrics-port), or None."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        port = int(cmd[cmd.index("--metrics-port") + 1])
+        if port == 0:
+            return None
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, ValueError, IndexError):
+        return None
+    found = re.search(r"^specd_kv_cache_resident_bytes ([0-9.e+]+)$", text, re.M)
+    return int(float(found.group(1))) if found else None
 
 class Soak:
     def __init__(self, args):
@@ -240,7 +257,7 @@ class Soak:
 
         env = dict(os.environ, SPECD_AUTH_TOKEN=self.token_file.read_text().strip(), OMP_NUM_THREADS="1")
         proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "drafter", "--method", "draft_model", "--name", name,
-                                 "--model", model_store.default_drafter(), "--port", str(port), "--metrics-port", "0",
+                                 "--model", model_store.default_drafter(), "--port", str(port), "--metrics-port", str(free_port()),
                                  "--threads", "1", "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         from specd.cli.up import grpc_serving
@@ -315,8 +332,11 @@ class Soak:
                 fds = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
             except (OSError, AttributeError):
                 continue
+            kv = kv_resident_bytes(pid)
             out[name] = {"pid": pid, "rss_mb": rss / 2**20, "fds": len(fds),
-                         "sockets": sum(f.startswith("socket:") for f in fds)}
+                         "sockets": sum(f.startswith("socket:") for f in fds),
+                         "kv_mb": kv / 2**20 if kv is not None else None,
+                         "outside_kv_mb": (rss - kv) / 2**20 if kv is not None else None}
         return out
 
     def free_blocks(self) -> list[float | None]:
@@ -398,10 +418,11 @@ def render(r: dict) -> str:
               f"{f['status']} {f['error']}" for f in total["failures"][:40]] or ["- none"]
     lines += ["", "## Per window", "",
               "| from min | sent | completed | closed | failed | of which killed replica | TTFT p50 / p99 s | ITL p50 / p99 ms "
-              "| RSS MB (gateway, verifiers, drafters) | fds (sockets) | faults |", "|" + "---|" * 11]
+              "| RSS MB (of it KV caches) | fds (sockets) | faults |", "|" + "---|" * 11]
     for w in rows:
         procs = w["procs"]
-        rss = ", ".join(f"{n.split(':')[0]} {p['rss_mb']:.0f}" for n, p in sorted(procs.items()) if n != "up")
+        rss = ", ".join(f"{n.split(':')[0]} {p['rss_mb']:.0f}" + (f" (kv {p['kv_mb']:.0f})" if p.get("kv_mb") else "")
+                        for n, p in sorted(procs.items()) if n != "up")
         fds = ", ".join(f"{p['fds']} ({p['sockets']})" for n, p in sorted(procs.items()) if n != "up")
         f = "; ".join(f"{x['kind']} {x.get('target') or x.get('error')}" for x in w["faults"]) or "-"
 
@@ -462,8 +483,13 @@ def main(argv=None) -> int:
 
     # Processes alive from minute 10 to the end (the same pid): the killed ones start over each time.
     start, end = procs_at(min(600.0, total_s / 2)), procs_at(total_s)
-    growth = {n: f"{(end[n]['rss_mb'] / start[n]['rss_mb'] - 1) * 100:+.1f}% ({start[n]['rss_mb']:.0f} -> "
-                 f"{end[n]['rss_mb']:.0f} MB)" for n in start if n in end and end[n]["pid"] == start[n]["pid"]}
+    def grew(n: str, key: str) -> str:
+        if start[n].get(key) is None or end[n].get(key) is None:
+            return "-"
+        return f"{(end[n][key] / start[n][key] - 1) * 100:+.1f}% ({start[n][key]:.0f} -> {end[n][key]:.0f} MB)"
+
+    growth = {n: {"rss": grew(n, "rss_mb"), "kv caches": grew(n, "kv_mb"), "rss outside the kv caches":
+                  grew(n, "outside_kv_mb")} for n in start if n in end and end[n]["pid"] == start[n]["pid"]}
     total = {"sent": len(recs), "completed": sum(r["outcome"] == "completed" for r in recs),
              "closed": sum(r["outcome"] == "closed" for r in recs),
              "failed": len(failures), "failed_killed_replica": sum(f["allowed"] for f in failures),
