@@ -19,8 +19,8 @@ allowed); greedy answers of 8 fixed prompts against their k = 0 text taken befor
 change); RSS and open file descriptors (sockets: the gRPC channels and HTTP connections) of every
 process, and of it the KV caches' resident bytes (specd_kv_cache_resident_bytes: a cache's pages become
 resident as its blocks are first written, so RSS climbs towards the cache's size as traffic cycles
-through the blocks; the growth of RSS outside the caches is what a leak would show); free KV blocks of each replica when idle, at the start and at the end; p50/p99 TTFT and
-inter-token latency.
+through the blocks; the growth of RSS outside the caches is what a leak would show); free KV blocks of
+each replica when idle, at the start and at the end; p50/p99 TTFT and inter-token latency.
 """
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CONCURRENCY = [1, 4, 8, 16, 32]  # a step a minute: every 5-minute window holds the same mix
 
 
-
 def kv_resident_bytes(pid: int) -> int | None:
     """specd_kv_cache_resident_bytes from the process's /metrics (its --metrics-port), or None."""
     try:
@@ -70,6 +69,7 @@ def kv_resident_bytes(pid: int) -> int | None:
         return None
     found = re.search(r"^specd_kv_cache_resident_bytes ([0-9.e+]+)$", text, re.M)
     return int(float(found.group(1))) if found else None
+
 
 class Soak:
     def __init__(self, args):
@@ -257,9 +257,9 @@ class Soak:
 
         env = dict(os.environ, SPECD_AUTH_TOKEN=self.token_file.read_text().strip(), OMP_NUM_THREADS="1")
         proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "drafter", "--method", "draft_model", "--name", name,
-                                 "--model", model_store.default_drafter(), "--port", str(port), "--metrics-port", str(free_port()),
-                                 "--threads", "1", "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                 "--model", model_store.default_drafter(), "--port", str(port),
+                                 "--metrics-port", str(free_port()), "--threads", "1", "--log-level", "warning"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         from specd.cli.up import grpc_serving
         from specd.rpc import auth
 
@@ -483,8 +483,9 @@ def main(argv=None) -> int:
 
     # Processes alive from minute 10 to the end (the same pid): the killed ones start over each time.
     start, end = procs_at(min(600.0, total_s / 2)), procs_at(total_s)
+
     def grew(n: str, key: str) -> str:
-        if start[n].get(key) is None or end[n].get(key) is None:
+        if not start[n].get(key) or end[n].get(key) is None:  # no cache there (None or 0)
             return "-"
         return f"{(end[n][key] / start[n][key] - 1) * 100:+.1f}% ({start[n][key]:.0f} -> {end[n][key]:.0f} MB)"
 

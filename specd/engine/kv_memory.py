@@ -1,9 +1,9 @@
 """The memory of CPU KV caches: zero-filled tensors whose pages become resident only as blocks are
 written, and how much of them is resident now.
 
-A block manager hands out the least recently freed block (its prefix-cache content is the oldest),
-and blocks never used come first. So a cache's resident size climbs towards its full size as traffic
-cycles through the blocks, and stays there: a process whose RSS grows for hours may be filling its
+A block manager hands out its free blocks in turn, never-used ones first and then the least
+recently freed, before it evicts a cached one (block_manager.py). So a cache's resident size climbs
+towards its full size as traffic cycles through the blocks, and stays there: a process whose RSS grows for hours may be filling its
 cache, not leaking. resident_bytes() tells the two apart (specd_kv_cache_resident_bytes)."""
 from __future__ import annotations
 

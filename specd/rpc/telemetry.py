@@ -53,8 +53,10 @@ def register_kv_memory(registry: CollectorRegistry) -> None:
 
     Gauge("specd_kv_cache_bytes", "Size of the CPU KV caches (blocks never written take no memory)",
           registry=registry).set_function(kv_memory.cache_bytes)
-    Gauge("specd_kv_cache_resident_bytes", "Bytes of the CPU KV caches in memory: pages written at least once",
-          registry=registry).set_function(kv_memory.resident_bytes)
+    resident = Gauge("specd_kv_cache_resident_bytes",
+                     "Bytes of the CPU KV caches mapped: pages written at least once (or read as zero)",
+                     registry=registry)
+    resident.set_function(kv_memory.resident_bytes)
 
 
 # ---- OpenTelemetry -------------------------------------------------------------------
