@@ -17,9 +17,10 @@ Measured per --window minutes and in total: requests sent, completed, closed on 
 its status and message, and whether it was in flight on a replica killed at that moment: the only failures
 allowed); greedy answers of 8 fixed prompts against their k = 0 text taken before the faults (0 may
 change); RSS and open file descriptors (sockets: the gRPC channels and HTTP connections) of every
-process, and of it the KV caches' resident bytes (specd_kv_cache_resident_bytes: a cache's pages become
-resident as its blocks are first written, so RSS climbs towards the cache's size as traffic cycles
-through the blocks; the growth of RSS outside the caches is what a leak would show); free KV blocks of
+process, and of it the KV caches' resident bytes (specd_kv_cache_resident_bytes: the services take
+their caches' pages at start, so this holds still; with --lazy-kv-cache RSS would climb towards the
+caches' size as traffic cycles through the blocks, and the growth outside them is what a leak would
+show), and each drafter's sequences kept (specd_drafter_sequences); free KV blocks of
 each replica when idle, at the start and at the end; p50/p99 TTFT and inter-token latency.
 """
 from __future__ import annotations
@@ -56,19 +57,25 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CONCURRENCY = [1, 4, 8, 16, 32]  # a step a minute: every 5-minute window holds the same mix
 
 
-def kv_resident_bytes(pid: int) -> int | None:
-    """specd_kv_cache_resident_bytes from the process's /metrics (its --metrics-port), or None."""
+def gauges(pid: int) -> dict[str, float]:
+    """From the process's /metrics (its --metrics-port): its KV caches' resident bytes
+    (specd_kv_cache_resident_bytes) and, for a drafter, the sequences it keeps state for
+    (specd_drafter_sequences); {} where it serves none."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         port = int(cmd[cmd.index("--metrics-port") + 1])
         if port == 0:
-            return None
+            return {}
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
     except (OSError, ValueError, IndexError):
-        return None
-    found = re.search(r"^specd_kv_cache_resident_bytes ([0-9.e+]+)$", text, re.M)
-    return int(float(found.group(1))) if found else None
+        return {}
+    out = {}
+    for key, name in (("kv", "specd_kv_cache_resident_bytes"), ("sequences", "specd_drafter_sequences")):
+        found = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+        if found:
+            out[key] = float(found.group(1))
+    return out
 
 
 class Soak:
@@ -332,9 +339,10 @@ class Soak:
                 fds = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
             except (OSError, AttributeError):
                 continue
-            kv = kv_resident_bytes(pid)
+            g = gauges(pid)
+            kv = g.get("kv")
             out[name] = {"pid": pid, "rss_mb": rss / 2**20, "fds": len(fds),
-                         "sockets": sum(f.startswith("socket:") for f in fds),
+                         "sockets": sum(f.startswith("socket:") for f in fds), "sequences": g.get("sequences"),
                          "kv_mb": kv / 2**20 if kv is not None else None,
                          "outside_kv_mb": (rss - kv) / 2**20 if kv is not None else None}
         return out
@@ -418,10 +426,11 @@ def render(r: dict) -> str:
               f"{f['status']} {f['error']}" for f in total["failures"][:40]] or ["- none"]
     lines += ["", "## Per window", "",
               "| from min | sent | completed | closed | failed | of which killed replica | TTFT p50 / p99 s | ITL p50 / p99 ms "
-              "| RSS MB (of it KV caches) | fds (sockets) | faults |", "|" + "---|" * 11]
+              "| RSS MB (of it KV caches) [drafter: sequences kept] | fds (sockets) | faults |", "|" + "---|" * 11]
     for w in rows:
         procs = w["procs"]
         rss = ", ".join(f"{n.split(':')[0]} {p['rss_mb']:.0f}" + (f" (kv {p['kv_mb']:.0f})" if p.get("kv_mb") else "")
+                        + (f" [{p['sequences']:.0f} seqs]" if p.get("sequences") is not None else "")
                         for n, p in sorted(procs.items()) if n != "up")
         fds = ", ".join(f"{p['fds']} ({p['sockets']})" for n, p in sorted(procs.items()) if n != "up")
         f = "; ".join(f"{x['kind']} {x.get('target') or x.get('error')}" for x in w["faults"]) or "-"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from specd.rpc.kv_pages import add_lazy_kv_argument, take_kv_memory
 from specd.rpc.threads import threads_arg
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-branches", type=int, default=None,
                    help="outcomes drafted ahead per sequence at most (default 16; best first)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_lazy_kv_argument(p)
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="draft model or head dtype (default auto: bfloat16 on an x86-64 CPU where the "
                         "fused ops build, else float32)")
@@ -170,6 +172,7 @@ def run(args) -> int:
     start_metrics(metrics.start_http_server, args.metrics_port, args.port, args.host, f"drafter {name}")
     worker = compute_thread("proposer")  # loading and every call, one OpenMP team
     proposer, info = worker.submit(build_proposer, args).result()
+    worker.submit(take_kv_memory, args).result()  # a draft model's cache
     history = args.max_history_tokens or min(65536, getattr(proposer, "max_model_len", None) or 65536)
     limits = DrafterLimits(max_k=info.max_k, max_history_tokens=history, max_sequences=args.max_sequences,
                            max_total_tokens=args.max_total_tokens)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from specd.rpc.kv_pages import add_lazy_kv_argument, take_kv_memory
 from specd.rpc.threads import threads_arg
 
 HELP = "run the verifier service (gRPC): target model, KV cache, batching, drafter pool"
@@ -78,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    add_lazy_kv_argument(p)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt: no reuse of KV blocks across requests")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -220,6 +222,7 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     worker = compute_thread("engine")  # loading and every step, one OpenMP team
     engine = await loop.run_in_executor(worker, lambda: LLMEngine(config, spec, PoolProposer(pool, loop) if pool else None,
                                                                 proposer_factory=in_process_proposer))
+    await loop.run_in_executor(worker, take_kv_memory, args)
     if pool is not None:
         from specd.verifier.drafter_client import FeatureTarget
 

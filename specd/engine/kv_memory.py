@@ -3,8 +3,12 @@ written, and how much of them is resident now.
 
 A block manager hands out its free blocks in turn, never-used ones first and then the least
 recently freed, before it evicts a cached one (block_manager.py). So a cache's resident size climbs
-towards its full size as traffic cycles through the blocks, and stays there: a process whose RSS grows for hours may be filling its
-cache, not leaking. resident_bytes() tells the two apart (specd_kv_cache_resident_bytes)."""
+towards its full size as traffic cycles through the blocks, and stays there: a process whose RSS
+grows for hours may be filling its cache, not leaking. resident_bytes() tells the two apart
+(specd_kv_cache_resident_bytes). The services take their caches' memory at start (take_all), as
+llama.cpp and GPU servers do: RSS then holds still while serving (what grows is a leak), and a
+cache the machine cannot hold fails at start, not when traffic first fills it hours later; an
+offline engine and `--lazy-kv-cache` keep the lazy pages."""
 from __future__ import annotations
 
 import ctypes
@@ -32,6 +36,15 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     cache = torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
     _caches.add(cache)
     return cache
+
+
+def take_all() -> int:
+    """Write every page of every live CPU cache (zeros over zeros), so the process holds all of their
+    memory from now on. -> the bytes taken."""
+    caches = list(_caches)
+    for cache in caches:
+        cache.zero_()
+    return sum(c.numel() * c.element_size() for c in caches)
 
 
 def cache_bytes() -> int:
