@@ -4,7 +4,8 @@ Each model has the hard parts of a real one (tests/real_vocabs.py): a real token
 entries with its added and control tokens, the model's published chat template with tools, and
 random weights of a small shape. Through the official client:
 - Qwen2.5 (151,936 tokens; <tool_call> and </tool_call> are added tokens): `specd up --target`
-  picks its drafters alone and says so; forced tool calls come back as tool_calls that name a
+  picks its drafters alone and says so, and with `--drafter draft_model:FILE` serves that draft
+  model beside the suffix index; forced tool calls come back as tool_calls that name a
   declared function and validate against its parameters, the same with speculation off and on;
   streamed deltas reassemble to the whole response's calls; a tool result goes back through the
   template (the markers as the single tokens the model knows); JSON-schema output validates.
@@ -118,6 +119,23 @@ def test_up_with_only_a_target_picks_and_says_its_drafters(qwen25):
     assert "not the default datastore: it is of another vocabulary" in service.log_text()
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
     assert r.usage.completion_tokens == 8 and r.choices[0].message.content
+
+
+def test_a_named_draft_model_of_the_vocabulary_drafts_beside_the_suffix_index(launcher, qwen25_file):
+    """`specd up --target T --drafter draft_model:D` on a 151,936-token vocabulary: the draft model runs
+    as a service and the suffix index stays inside the verifier (both said); a request that names the
+    draft model gets its drafts, and with D = T (the same weights) greedy drafts are all accepted and
+    the text is plain decoding's."""
+    service, client, model = _up(launcher, qwen25_file, "--drafter", f"draft_model:{qwen25_file}")
+    assert "drafters: draft_model as a service, and the suffix index inside the verifier" in service.log_text()
+    kw = dict(model=model, messages=ASK, max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body={"speculative": {"num_speculative_tokens": 0}})
+    drafted = client.chat.completions.create(
+        **kw, extra_body={"speculative": {"drafter": "draft_model", "num_speculative_tokens": 4}})
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    spec = drafted.usage.model_extra["speculative"]
+    assert set(spec["drafters"]) == {"draft_model"} and spec["drafts"] > 0
+    assert spec["accepted_tokens"] == spec["draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
