@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build specd-base:bookworm, a minimal Debian bookworm image with Python 3.11, for machines
 # that can reach a Debian mirror and PyPI but no Docker image registry (so python:3.11-slim
-# cannot be pulled). The service Dockerfiles take it via --build-arg BASE_IMAGE=specd-base:bookworm
+# cannot be pulled). deploy/Dockerfile takes it via --build-arg BASE_IMAGE=specd-base:bookworm
 # (compose: SPECD_BASE_IMAGE=specd-base:bookworm).
 #
 #   deploy/build-base-image.sh            # build once; a no-op when the image exists

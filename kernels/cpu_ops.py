@@ -99,7 +99,7 @@ def build_digest(name: str) -> str:
 def build(name: str, directory: Path | None = None, load: bool = True) -> Path:
     """Compile the ops for ISA `name` into directory (default: build_dir(name)) and, with load,
     load them. load=False builds without loading, e.g. the AVX-512 library on an image builder
-    whose CPU may lack AVX-512 (the Dockerfiles' cpu-ops stage). Returns the library's path."""
+    whose CPU may lack AVX-512 (deploy/Dockerfile's cpu-ops stage). Returns the library's path."""
     directory = directory or build_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
     # One build at a time per directory, under a lock the kernel drops when its holder dies. torch's

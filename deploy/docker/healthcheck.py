@@ -1,4 +1,4 @@
-"""Container healthcheck (Dockerfiles and compose.yaml): exit 0 when the service answers.
+"""Container healthcheck (deploy/Dockerfile and compose.yaml): exit 0 when the service answers.
 
     healthcheck.py grpc HOST:PORT [CA]   grpc.health.v1 Check of the overall service "" is SERVING
     healthcheck.py http URL [CA]         GET URL answers 200 (the gateway's /health asks the verifier)

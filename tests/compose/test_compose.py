@@ -3,8 +3,8 @@
 Cheap checks (no Docker engine needed) run with the rest of the suite: the shape of
 compose.yaml and of compose.secure.yaml (its commands are compose.yaml's plus the secrets'
 flags), `docker-compose config -q` / `docker compose config -q` where a binary exists (with
-and without the secure override), the Dockerfiles' shared stages and torch variants
-(deploy/docker/install-torch.sh run with a stand-in pip: the missing CPU wheel stops it with
+and without the secure override), deploy/Dockerfile's stages (a target per image) and torch
+variants (deploy/docker/install-torch.sh run with a stand-in pip: the missing CPU wheel stops it with
 the command that fills wheels/, a CUDA tag asks the PyTorch index for it alone, matching the
 Kubernetes GPU overlay's :cuda images), deploy/make-secrets.sh's certificate serving gRPC TLS
 to the containers' healthcheck, and the pure helpers of specd/cli/docker_swap.py.
@@ -73,7 +73,7 @@ def test_compose_file_shape():
     for name in ("gateway", "verifier", "drafter-dm"):
         assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${SPECD_OTLP_ENDPOINT:-}"
     json.loads(DASHBOARD.read_text())
-    # The default pair, whose weights the images carry (services/*/Dockerfile, models stage).
+    # The default pair, whose weights the images carry (deploy/Dockerfile, models stage).
     verifier, dm = services["verifier"]["command"], services["drafter-dm"]["command"]
     assert verifier[verifier.index("--model") + 1] == "${SPECD_TARGET:-/opt/specd/cache/models/SmolLM2-135M-Instruct}"
     assert dm[dm.index("--model") + 1] == \
@@ -99,6 +99,13 @@ def test_compose_file_shape():
             assert svc["profiles"], f"{name} pulls from a registry: it must stay out of the default `up`"
     args = spec["x-build-args"]
     assert args["TORCH_VARIANT"] == "${SPECD_TORCH_VARIANT:-cpu}" and args["TORCH_INDEX_URL"] == "${SPECD_TORCH_INDEX_URL:-}"
+    # Every specd image from the one Dockerfile, its own target of it, with the same arguments.
+    stages = dockerfile_stages(DOCKERFILE.read_text())
+    for name, target in {"verifier": "verifier", "drafter-dm": "drafter", "drafter-ngram": "drafter",
+                         "gateway": "gateway"}.items():
+        assert services[name]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile", "target": target,
+                                           "args": args}, name
+        assert services[name]["image"].startswith(f"specd-{target}:") and target in stages, name
 
 
 @pytest.mark.parametrize("binary", compose_binaries() or [None], ids=lambda b: " ".join(b) if b else "none")
@@ -131,28 +138,55 @@ def test_compose_config_is_valid(binary, tmp_path):
     assert any(v.endswith("prometheus-secure.yml:/etc/specd/prometheus.yml:ro") for v in mounts), mounts
 
 
-DOCKERFILES = {n: ROOT / "services" / n / "Dockerfile" for n in ("verifier", "drafter", "gateway")}
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+TARGETS = ("verifier", "drafter", "gateway")
 INSTALL_TORCH = ROOT / "deploy" / "docker" / "install-torch.sh"
 
 
-def test_dockerfiles_share_stages_and_need_no_second_index():
-    texts = {n: p.read_text() for n, p in DOCKERFILES.items()}
-    # deps -> models -> app are the same text in all three, so one build serves them all.
-    shared = {n: t[t.index("ARG BASE_IMAGE"):t.index("# ---- the ", t.index("FROM deps AS app"))] for n, t in texts.items()}
-    assert shared["verifier"] == shared["drafter"] == shared["gateway"]
-    for name, text in texts.items():
-        assert "--extra-index-url" not in text and "download.pytorch.org" not in text, name
-        assert "ARG TORCH_VARIANT=cpu" in text and "COPY wheels/ /opt/build/wheels/" in text, name
-        final = text[text.rindex("\nFROM ${BASE_IMAGE}\n"):]
-        # the serving stage: no build tools, no wheels/, the venv and a wheel of specd only
-        assert "wheels/" not in final and "apt-get" not in final and "pip install --no-deps --no-index" in final, name
-    # the model services carry the CPU ops compiled in the cpu-ops stage, in a venv without headers
+def dockerfile_stages(text: str) -> dict[str, tuple[str, str]]:
+    """A Dockerfile's stages in file order: name -> (the image or stage it is FROM, its
+    instructions without comment lines)."""
+    parts = re.split(r"^FROM (\S+) AS (\S+)\n", text, flags=re.M)
+    assert len(re.findall(r"^FROM ", text, flags=re.M)) == len(parts) // 3, "a stage without a name"
+    return {name: (base, "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#")))
+            for base, name, body in zip(parts[1::3], parts[2::3], parts[3::3])}
+
+
+def test_dockerfile_targets_share_stages_and_need_no_second_index():
+    text = DOCKERFILE.read_text()
+    stages = dockerfile_stages(text)
+    names = list(stages)
+    assert set(TARGETS) <= set(names)
+    # Every stage is FROM, and copies from, only the base or stages above it: a target needs no
+    # stage after it. The classic builder (docker-compose 1.29, DOCKER_BUILDKIT=0) builds every
+    # stage above the target, so the gateway's own venv (a PyPI download) comes after the
+    # verifier and drafter, whose builds then never make it.
+    for i, (name, (base, body)) in enumerate(stages.items()):
+        for used in (base, *re.findall(r"--from=(\S+)", body)):
+            assert used == "${BASE_IMAGE}" or used in names[:i], f"{name} uses {used}, not a stage above it"
+    assert names.index("verifier") < names.index("drafter") < names.index("gateway-deps") < names.index("gateway")
+    assert "--extra-index-url" not in text and "download.pytorch.org" not in text
+    assert "ARG TORCH_VARIANT=cpu" in stages["deps"][1] and "COPY wheels/ /opt/build/wheels/" in stages["deps"][1]
+    for name in TARGETS:
+        base, final = stages[name]
+        serving = final + (stages[base][1] if base in stages else "")
+        # the serving image: on the base (no build stage); no build tools, no wheels/; a venv and
+        # a wheel of specd; the service's own command
+        assert (stages[base][0] if base in stages else base) == "${BASE_IMAGE}", name
+        assert "wheels/" not in serving and "apt-get" not in serving, name
+        assert "pip install --no-deps --no-index" in final and 'ENTRYPOINT ["specd"]' in final, name
+        assert re.search(rf'^CMD \["{name}", ', final, flags=re.M), name
+    # the model services carry the CPU ops compiled in the cpu-ops stage, in a venv without
+    # headers, and each its own weights
     for name in ("verifier", "drafter"):
-        final = texts[name][texts[name].rindex("\nFROM ${BASE_IMAGE}\n"):]
+        final = stages[name][1]
         assert "COPY --from=cpu-ops --chown=65534:65534 /opt/stage/cache /opt/specd/cache" in final, name
         assert "COPY --from=venv /opt/venv /opt/venv" in final, name
+        assert f"COPY --from=models --chown=65534:65534 /opt/stage/{name} /opt/specd/cache" in final, name
     # the gateway's own venv has no torch; its final stage takes that venv, not deps'
-    assert "--without torch" in texts["gateway"] and "COPY --from=gateway-deps /opt/venv" in texts["gateway"]
+    gateway = stages["gateway"][1]
+    assert "--without torch" in stages["gateway-deps"][1] and "COPY --from=gateway-deps /opt/venv" in gateway
+    assert "--from=venv" not in gateway and "--from=cpu-ops" not in gateway
     ignored = (ROOT / ".gitignore").read_text()
     assert "/wheels/*" in ignored and "!/wheels/README.md" in ignored and (ROOT / "wheels" / "README.md").is_file()
     assert "!wheels" in (ROOT / ".dockerignore").read_text()
@@ -205,9 +239,12 @@ def test_install_torch_variants(tmp_path):
     # The GPU overlay expects exactly these images and build argument.
     gpu = ROOT / "deploy" / "k8s" / "overlays" / "gpu"
     overlay = "".join(p.read_text() for p in sorted(gpu.glob("*.yaml")))
+    dockerfile, deploy_doc = DOCKERFILE.read_text(), (ROOT / "docs" / "deploy.md").read_text()
     for name in ("verifier", "drafter"):
-        assert f"docker build -f services/{name}/Dockerfile --build-arg TORCH_VARIANT=cu128 -t specd-{name}:cuda ." in overlay
-        assert f"--build-arg TORCH_VARIANT=cu128 -t specd-{name}:cuda ." in DOCKERFILES[name].read_text()
+        command = (f"docker build -f deploy/Dockerfile --target {name} --build-arg TORCH_VARIANT=cu128"
+                   f" -t specd-{name}:cuda .")
+        assert command in overlay and command in dockerfile and command in deploy_doc, name
+        assert name in dockerfile_stages(dockerfile), name
     assert re.findall(r"image: (specd-\S+)", overlay) and \
         all(i.endswith(":cuda") for i in re.findall(r"image: (specd-\S+)", overlay))
 
@@ -364,7 +401,7 @@ def test_cpu_build_without_the_wheel_stops_at_once(request, tmp_path):
     ctx = tmp_path / "ctx"
     shutil.copytree(ROOT / "deploy" / "docker", ctx / "deploy" / "docker")
     shutil.copy(ROOT / "pyproject.toml", ctx)
-    shutil.copy(DOCKERFILES["verifier"], ctx / "Dockerfile")
+    shutil.copy(DOCKERFILE, ctx / "Dockerfile")
     (ctx / "wheels").mkdir()
     (ctx / "wheels" / "README.md").write_text("empty\n")
     t0 = time.monotonic()
