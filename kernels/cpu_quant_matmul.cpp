@@ -811,22 +811,30 @@ std::vector<RowGroup> row_groups(const QuantizedRows& xq, int64_t M) {
   return out;
 }
 
-inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {  // acc += u8 x s8, 4 products a lane
+// The integer steps, in 512-bit registers or, for a group's lone last row (an odd row count), in
+// 256-bit ones with the same integers per lane. The 256-bit form is EVEX-encoded (AVX512-VNNI + VL),
+// not AVX-VNNI's VEX form, which CPUs with AVX512-VNNI may lack.
+template <class V>
+inline V dpbusd(V acc, V u, V s) {  // acc += u8 x s8, 4 products a lane
 #if !defined(SPECD_EMULATE_AVX512)
-  asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+  if constexpr (sizeof(V) == 64) asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
+  else asm("%{evex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
 #endif
   return acc;
 }
 // acc += the int16 pairs of p x those of s, summed per lane: vpdpwssd, or vpmaddwd and an add.
-template <bool VNNI>
-inline __m512i add_madd(__m512i acc, __m512i p, __m512i s) {
+template <bool VNNI, class V>
+inline V add_madd(V acc, V p, V s) {
   if constexpr (VNNI) {
 #if !defined(SPECD_EMULATE_AVX512)
-    asm("vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
+    if constexpr (sizeof(V) == 64) asm("vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
+    else asm("%{evex%} vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
 #endif
     return acc;
-  } else {
+  } else if constexpr (sizeof(V) == 64) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, s));
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
   }
 }
 inline __m512i both_halves(__m256i v) { return join(v, v); }
@@ -850,25 +858,6 @@ inline void store_rows(const __m512* acc, __m512 macc, int rows, float* out, int
   }
 }
 
-// 256-bit forms for a group's lone last row (an odd row count), the same integers per lane:
-// EVEX-encoded (AVX512-VNNI + VL), not AVX-VNNI's VEX form, which CPUs with AVX512-VNNI may lack.
-inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
-#if !defined(SPECD_EMULATE_AVX512)
-  asm("%{evex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [s] "v"(s));
-#endif
-  return acc;
-}
-template <bool VNNI>
-inline __m256i add_madd256(__m256i acc, __m256i p, __m256i s) {
-  if constexpr (VNNI) {
-#if !defined(SPECD_EMULATE_AVX512)
-    asm("%{evex%} vpdpwssd %[s], %[p], %[acc]" : [acc] "+v"(acc) : [p] "v"(p), [s] "v"(s));
-#endif
-    return acc;
-  } else {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
-  }
-}
 inline __m256i low256(__m512i v) { return _mm512_castsi512_si256(v); }
 
 // Blocks b0 .. b1 of one weight row of a k-quant against a group's rows (dot_k_simd's arithmetic),
@@ -925,7 +914,7 @@ void k_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRows
             (T == Q6_K ? reinterpret_cast<const char*>(g.xu.data()) : reinterpret_cast<const char*>(g.x.data())) + at +
             j * PAIR_BYTES));
         const __m256i p16 = T == Q6_K ? _mm256_maddubs_epi16(x, low256(v[j])) : _mm256_maddubs_epi16(low256(v[j]), x);
-        isum = add_madd256<VNNI>(isum, p16, low256(s[j]));
+        isum = add_madd<VNNI>(isum, p16, low256(s[j]));
       }
       const __m256 scale = _mm256_mul_ps(_mm512_castps512_ps256(d), _mm256_loadu_ps(g.dx2.data() + (ib * PP + P) * 16));
       lone = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), lone);
@@ -986,8 +975,8 @@ void b32_rows_avx512(const uint8_t* w, int64_t b0, int64_t b1, const QuantizedRo
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.x.data() + at));
       const __m256i xu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xu.data() + at)), v1 = low256(v);
       __m256i sums;
-      if constexpr (VNNI && QT::SIGNED) sums = dpbusd256(low256(start), xu, v1);
-      else if constexpr (VNNI) sums = dpbusd256(low256(start), v1, x);
+      if constexpr (VNNI && QT::SIGNED) sums = dpbusd(low256(start), xu, v1);
+      else if constexpr (VNNI) sums = dpbusd(low256(start), v1, x);
       else if constexpr (QT::SIGNED)  // block32_avx2's sign trick
         sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v1, v1), _mm256_sign_epi8(x, v1)),
                                  _mm256_set1_epi16(1));
