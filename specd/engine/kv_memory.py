@@ -41,10 +41,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def take_all() -> int:
     """Write every page of every live CPU cache (zeros over zeros), so the process holds all of their
     memory from now on. -> the bytes taken."""
-    caches = list(_caches)
-    for cache in caches:
+    for cache in list(_caches):
         cache.zero_()
-    return sum(c.numel() * c.element_size() for c in caches)
+    return cache_bytes()
 
 
 def cache_bytes() -> int:
