@@ -491,25 +491,39 @@ inline void block32_avx2(const uint8_t* blk, int64_t b, const QuantizedRows& xq,
   }
 }
 
+// The weights stream from memory once per step: ask for them ahead (into the next rows near a row's
+// end), as the bf16 kernel does; without it decode read ~10 GB/s, a third of the bf16 path's.
+template <int T> inline void prefetch_ahead(const uint8_t* blk, int blocks = 1) {
+  const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
+  for (int line = 0; line < blocks * Q<T>::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+// R rows' float state in the 1-4 row kernels: the eight lanes of the header and the min term beside
+// them, summed as the header says at the end.
+template <int R> struct RowAccumulators {
+  __m256 acc[R];
+  float macc[R];
+  RowAccumulators() {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      macc[r] = 0.0f;
+    }
+  }
+  void store(float* out, int64_t ldo) const {
+    for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+  }
+};
+
 template <int T, int R>
 void dot_tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
   using QT = Q<T>;
-  const int64_t nblk = xq.K / QT::BLOCK;
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
-  }
-  for (int64_t ib = 0; ib < nblk; ++ib) {
+  RowAccumulators<R> a;
+  for (int64_t ib = 0; ib < xq.K / QT::BLOCK; ++ib) {
     const uint8_t* blk = w + ib * QT::BYTES;
-    // The weights stream from memory once per step: ask for them ahead (into the next rows near a
-    // row's end), as the bf16 kernel does; without it decode read ~10 GB/s, a third of the bf16 path's.
-    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
-    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    block32_avx2<T, R>(blk, ib, xq, r0, acc, macc);
+    prefetch_ahead<T>(blk);
+    block32_avx2<T, R>(blk, ib, xq, r0, a.acc, a.macc);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+  a.store(out, ldo);
 }
 
 // A k-quant block's integer scales in registers (AVX2): sc holds, per 128-bit lane, the int16 scales
@@ -657,32 +671,25 @@ inline void k_block_sums(const uint8_t* blk, const __m256i sc, const QuantizedRo
 template <int T, int R>
 void dot_k_simd(const uint8_t* w, const QuantizedRows& xq, int64_t r0, float* out, int64_t ldo) {
   using QT = Q<T>;
-  const int64_t nblk = xq.K / QT::BLOCK;
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
-  }
+  RowAccumulators<R> a;
   KScalesAvx2 k;
-  for (int64_t ib = 0; ib < nblk; ++ib) {
+  for (int64_t ib = 0; ib < xq.K / QT::BLOCK; ++ib) {
     const uint8_t* blk = w + ib * QT::BYTES;
-    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
-    for (int line = 0; line < QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    prefetch_ahead<T>(blk);
     kscales_avx2<T>(blk, k);
     __m256i isum[R];
     k_block_sums<T, R>(blk, k.sc, xq, r0, ib, isum);
     for (int r = 0; r < R; ++r) {
       const float dx = xq.drow(r0 + r)[ib];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      a.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(k.d * dx), _mm256_cvtepi32_ps(isum[r]), a.acc[r]);
       if (!QT::SIGNED) {
         const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.srow(r0 + r) + ib * 8));
         const int32_t msum = sum8_epi32(_mm256_mullo_epi32(k.m, xs));
-        macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), macc[r]);
+        a.macc[r] = std::fma(-(k.dmin * dx), static_cast<float>(msum), a.macc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+  a.store(out, ldo);
 }
 #endif
 
@@ -720,18 +727,14 @@ void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, floa
   static_assert(QT::SUBS == 1, "the 32-weight types");
   const int64_t nblk = xq.K / QT::BLOCK;
   const __m512i ones = _mm512_set1_epi16(1);
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
-  }
+  RowAccumulators<R> a;
+  __m256* acc = a.acc;
+  float* macc = a.macc;
   Sub s0[1], s1[1];
   int64_t b = 0;
   for (; b + 2 <= nblk; b += 2) {
     const uint8_t* blk = w + b * QT::BYTES;
-    const char* ahead = reinterpret_cast<const char*>(blk) + PREFETCH_BYTES;
-    for (int line = 0; line < 2 * QT::BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    prefetch_ahead<T>(blk, 2);
     QT::subs(blk, s0);
     QT::subs(blk + QT::BYTES, s1);
     const __m512i v = join(values_avx2<T>(blk, 0), values_avx2<T>(blk + QT::BYTES, 0));
@@ -749,7 +752,7 @@ void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, floa
     }
   }
   if (b < nblk) block32_avx2<T, R>(w + b * QT::BYTES, b, xq, r0, acc, macc);  // an odd last block
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce8_avx2(acc[r]) + macc[r];
+  a.store(out, ldo);
 }
 
 // ---------------------------------------------------------------- verify blocks (AVX-512)
