@@ -98,6 +98,11 @@ def measure(modes: dict, prompts: list, batch: int, temperature: float, args) ->
     return out
 
 
+def table_row(cells) -> str:
+    """One markdown table row (no empty cell where a column group, llama-server's modes, is absent)."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def render(r: dict) -> str:
     s = r["settings"]
     llama = [m for m in LLAMA_MODES if any(m in row["modes"] for row in r["rows"])]
@@ -109,18 +114,19 @@ def render(r: dict) -> str:
              f"{s['prompts']} prompts at batch 1 (modes in turn prompt by prompt), max(B, {s['batch_prompts']}) at "
              f"batch B; {s['rounds']} rounds, tok/s the mean over rounds. identical: greedy requests where the "
              f"choice gave plain's text (of {s['prompts']} or the cell's prompts). Command: `{r['command']}`", "",
-             "| workload | T | batch | specd plain | specd choice | " + " | ".join(llama)
-             + " | choice / own plain | choice / llama best | acceptance | identical |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(llama) + "---:|---:|---:|---:|"]
+             table_row(["workload", "T", "batch", "specd plain", "specd choice", *llama, "choice / own plain",
+                        "choice / llama best", "acceptance", "identical"]),
+             "|---|---:|---:|" + "---:|" * (len(llama) + 6)]
     for row in r["rows"]:
         m = row["modes"]
         best = max((m[n]["tok_s"] for n in llama), default=None)
         choice = m["specd choice"]
-        lines.append(f"| {row['workload']} | {row['temperature']:g} | {row['batch']} | {m['specd plain']['tok_s']:.1f} | "
-                     f"{choice['tok_s']:.1f} | " + " | ".join(f"{m[n]['tok_s']:.1f}" for n in llama)
-                     + f" | {choice['tok_s'] / m['specd plain']['tok_s']:.2f}x | "
-                     + (f"{choice['tok_s'] / best:.2f}x" if best else "-")
-                     + f" | {choice['acceptance']:.2f} | {choice.get('identical', '-')} |")
+        lines.append(table_row([row["workload"], f"{row['temperature']:g}", row["batch"],
+                                f"{m['specd plain']['tok_s']:.1f}", f"{choice['tok_s']:.1f}",
+                                *(f"{m[n]['tok_s']:.1f}" for n in llama),
+                                f"{choice['tok_s'] / m['specd plain']['tok_s']:.2f}x",
+                                f"{choice['tok_s'] / best:.2f}x" if best else "-",
+                                f"{choice['acceptance']:.2f}", choice.get("identical", "-")]))
     return "\n".join(lines + ["", machine_line(r), ""])
 
 
