@@ -12,12 +12,19 @@ offline engine and `--lazy-kv-cache` keep the lazy pages."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("specd.kv")
+
+DEFAULT_CPU_KV_GB = 1.0
+CPU_KV_SHARE_OF_AVAILABLE = 0.5  # a default cache takes at most this share of the memory left
 
 _caches: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the CPU caches made here, while they live
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -36,6 +43,48 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     cache = torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
     _caches.add(cache)
     return cache
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: the kernel's MemAvailable, or less where a cgroup
+    v2 (a container's memory limit) allows less. None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:  # cgroup v2: the limit less what the group uses ("max": no limit)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, min(found)) if found else None
+
+
+def default_cpu_budget(what: str = "KV cache") -> float:
+    """The bytes a CPU cache takes when none is asked for (the verifier's, a draft model's):
+    DEFAULT_CPU_KV_GB, or less on a machine without room for it, at most a share of the memory left
+    once the model is loaded (the other services and the OS need the rest)."""
+    budget = DEFAULT_CPU_KV_GB * 2**30
+    available = available_memory_bytes()
+    if available is not None and budget > CPU_KV_SHARE_OF_AVAILABLE * available:
+        log.warning("%s: %.2f GB (%d%% of the %.2f GB of memory left), not the default %.2f GB", what,
+                    CPU_KV_SHARE_OF_AVAILABLE * available / 2**30, CPU_KV_SHARE_OF_AVAILABLE * 100,
+                    available / 2**30, DEFAULT_CPU_KV_GB)
+        budget = CPU_KV_SHARE_OF_AVAILABLE * available
+    return budget
+
+
+def check_fits(nbytes: int, remedy: str) -> None:
+    """Refuse a cache larger than the memory left, at start, as a GPU's allocation would: with lazy
+    pages it would not fail here but kill the server once traffic fills it; taken at start, the
+    kernel's OOM killer would end it without a word."""
+    available = available_memory_bytes()
+    if available is not None and nbytes > available:
+        raise ValueError(f"a KV cache of {nbytes / 2**30:.2f} GB does not fit in the {available / 2**30:.2f} GB "
+                         f"of memory left after loading the model; {remedy}")
 
 
 def take_all() -> int:

@@ -9,9 +9,10 @@ import torch
 
 from specd.config import EngineConfig, SpeculativeConfig
 from specd.models.detokenizer import StopChecker
+from specd.engine import kv_memory
 from specd.engine.block_manager import BlockManager
 from specd.engine.penalties import apply_penalties
-from specd.engine.loader import (available_memory_bytes, default_device, large_buffers_off_the_heap, load_checkpoint,
+from specd.engine.loader import (default_device, large_buffers_off_the_heap, load_checkpoint,
                                  open_checkpoint)
 from specd.engine.logprobs import StepLogprobs
 from specd.engine.model_runner import ModelRunner
@@ -42,8 +43,6 @@ class StepTimings:
         self.forward_tokens += tokens
 
 
-DEFAULT_CPU_KV_GB = 1.0
-CPU_KV_SHARE_OF_AVAILABLE = 0.5  # the default cache takes at most this share of the memory left
 DEFAULT_GPU_MEMORY_FRACTION = 0.85
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 
@@ -117,11 +116,12 @@ class LLMEngine:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = free * DEFAULT_GPU_MEMORY_FRACTION
             else:
-                budget = self._default_cpu_kv_bytes()
+                budget = kv_memory.default_cpu_budget()
             # No point reserving more than max_num_seqs full-length sequences can use.
             blocks = min(int(budget // per_block), per_seq * config.max_num_seqs)
         if self.device.type == "cpu":
-            self._check_cpu_kv_fits(blocks * ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype))
+            kv_memory.check_fits(blocks * ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype),
+                                 "lower --kv-cache-gb or --num-kv-blocks")
         if blocks < per_seq:
             if config.max_model_len is not None or blocks < 1:  # asked for explicitly: not ours to change
                 raise ValueError(f"KV cache of {blocks} blocks x {config.block_size} tokens cannot hold one "
@@ -134,30 +134,6 @@ class LLMEngine:
                         blocks * config.block_size, blocks, config.block_size)
             self.max_model_len = blocks * config.block_size
         return blocks
-
-    @staticmethod
-    def _default_cpu_kv_bytes() -> float:
-        """DEFAULT_CPU_KV_GB, or less on a machine without room for it: at most a share of the
-        memory left once the model is loaded (the cache's pages are taken as blocks fill up, so
-        what is left must still hold them then)."""
-        budget = DEFAULT_CPU_KV_GB * 2**30
-        available = available_memory_bytes()
-        if available is not None and budget > CPU_KV_SHARE_OF_AVAILABLE * available:
-            log.warning("KV cache: %.2f GB (%d%% of the %.2f GB of memory left), not the default %.2f GB",
-                        CPU_KV_SHARE_OF_AVAILABLE * available / 2**30, CPU_KV_SHARE_OF_AVAILABLE * 100,
-                        available / 2**30, DEFAULT_CPU_KV_GB)
-            budget = CPU_KV_SHARE_OF_AVAILABLE * available
-        return budget
-
-    @staticmethod
-    def _check_cpu_kv_fits(nbytes: int) -> None:
-        """The cache's pages become resident only as blocks are written (kv_memory.zeroed): a
-        cache larger than the memory left would not fail here but kill the server once it fills.
-        Refuse it now, as a GPU's allocation would."""
-        available = available_memory_bytes()
-        if available is not None and nbytes > available:
-            raise ValueError(f"a KV cache of {nbytes / 2**30:.2f} GB does not fit in the {available / 2**30:.2f} GB "
-                             f"of memory left after loading the model; lower --kv-cache-gb or --num-kv-blocks")
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> int:

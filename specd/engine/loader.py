@@ -300,24 +300,6 @@ def release_freed_memory() -> None:
     _glibc("malloc_trim", 0)
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this process can still take: the kernel's MemAvailable, or less where a cgroup
-    v2 (a container's memory limit) allows less. None where neither can be read (not Linux)."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except OSError:
-        pass
-    try:  # cgroup v2: the limit less what the group uses ("max": no limit)
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return max(0, min(found)) if found else None
-
-
 def _glibc(function: str, *args: int) -> None:
     """Call one of glibc's malloc tunings; a no-op under C libraries that lack it (musl, macOS)."""
     try:

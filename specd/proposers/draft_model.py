@@ -41,6 +41,7 @@ from specd.proposers.base import Proposal, ProposeRequest
 from specd.proposers.draft_grammar import DraftGrammars
 from specd.proposers.draft_sampling import SampledDrafts
 from specd.proposers.pipeline import record_alternatives
+from specd.engine import kv_memory
 from specd.engine.block_manager import BlockManager
 from specd.engine.loader import default_device, load_checkpoint, open_checkpoint
 from specd.engine.model_runner import ModelRunner
@@ -49,6 +50,9 @@ from specd.engine.sequence import Sequence
 from specd.sampling import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+DRAFT_SEQUENCES = 64  # full-length sequences a draft model's cache is sized for, memory allowing
 
 
 class DraftModelProposer(SampledDrafts):
@@ -64,8 +68,10 @@ class DraftModelProposer(SampledDrafts):
                                  self.arch.max_position_embeddings)
         # Batch-invariant like the target, so a greedy draft does not depend on the drafter's batch.
         self.model = load_checkpoint(ckpt, self.device, self.max_model_len, batch_invariant)
-        per_seq = -(-self.max_model_len // block_size)
-        num_blocks = num_blocks or per_seq * 64
+        num_blocks = num_blocks or self._default_num_blocks(block_size)
+        if self.device.type == "cpu":
+            kv_memory.check_fits(num_blocks * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype),
+                                 "free memory, or run the drafter on another machine")
         # Its own prefix cache: a new sequence whose prompt starts like an earlier one's (a shared
         # system prompt, a conversation's next turn) computes only the rest of its history.
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=True,
@@ -298,6 +304,17 @@ class DraftModelProposer(SampledDrafts):
             out.append((int(q_ids[choice]), (q_ids.tolist(), q.tolist())))
             probs = probs.masked_fill(ids == q_ids[choice], 0.0)
         return out
+
+    def _default_num_blocks(self, block_size: int) -> int:
+        """Room for DRAFT_SEQUENCES full-length sequences, within the CPU cache budget the verifier's
+        takes too: a real draft model's context is long (Qwen2.5-0.5B's 32,768 tokens x 64 sequences
+        would be 25 GB). A sequence the cache has no room for gets no drafts (_room)."""
+        per_seq = -(-self.max_model_len // block_size)
+        blocks = per_seq * DRAFT_SEQUENCES
+        if self.device.type == "cpu":
+            per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+            blocks = min(blocks, max(1, int(kv_memory.default_cpu_budget("draft model KV cache") // per_block)))
+        return blocks
 
     def _room(self, seq: Sequence) -> bool:
         return self.blocks.allocate(seq, len(seq), self.blocks.match_prefix(seq))

@@ -83,7 +83,7 @@ def test_max_model_len_is_fitted_to_the_kv_cache_unless_given(llama_dir, caplog)
 
 
 def test_available_memory_is_what_the_kernel_reports():
-    from specd.engine.loader import available_memory_bytes
+    from specd.engine.kv_memory import available_memory_bytes
 
     available = available_memory_bytes()
     with open("/proc/meminfo") as f:
@@ -96,7 +96,7 @@ def test_cpu_kv_cache_larger_than_the_memory_left_is_refused(llama_dir):
     """Its pages are taken only as blocks fill up, so it would not fail at start but kill the
     server later: refused at start, naming the sizes."""
     from specd import LLM
-    from specd.engine.loader import available_memory_bytes
+    from specd.engine.kv_memory import available_memory_bytes
 
     blocks = 4 * available_memory_bytes() // 4096  # a block of the tiny model holds >= 4 KB
     with pytest.raises(ValueError, match="does not fit in the .* GB of memory left"):
@@ -107,11 +107,11 @@ def test_default_cpu_kv_cache_shrinks_to_the_memory_left(llama_dir, caplog, monk
     """On a machine with little memory left (here: 64 KiB, as this process sees it) the default
     cache takes half of it, and the model's context is fitted to that (log lines say both)."""
     from specd import LLM
-    from specd.engine import llm_engine
+    from specd.engine import kv_memory
     from specd.engine.model_runner import ModelRunner
 
-    monkeypatch.setattr(llm_engine, "available_memory_bytes", lambda: 64 * 1024)
-    with caplog.at_level("WARNING", logger="specd.engine.llm_engine"):
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 64 * 1024)
+    with caplog.at_level("WARNING"):
         llm = LLM(llama_dir, block_size=16)
     per_block = ModelRunner.kv_bytes_per_block(llm.engine.model, 16, llm.engine.dtype)
     assert llm.engine.block_manager.num_total_blocks == 32 * 1024 // per_block
