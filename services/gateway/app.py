@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -16,36 +14,29 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specd.rpc.telemetry import tracer
 from specd.models.tokenizer import Tokenizer
 
 from . import admin, tools
 from .config import GatewayConfig, ModelInfo
-from .errors import SHED, APIError, bad_request, overloaded
+from .errors import SHED, APIError, bad_request
 from .generation import Job, Step, generate
 from .limits import BodyDeadline
 from .metrics import CONTENT_TYPE, GatewayMetrics
+from .middleware import TOKENIZE_PATHS, CountRequests, LimitConcurrency, TraceRequests, disabled, require_key
 from .replicas import ReplicaSet
 from .prompts import check_prompt_size, chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
 from .responses import Formatter
 from .responses_output import ResponsesFormatter
 from .responses_request import ResponsesRequest, responses_names
 from .schemas import ChatCompletionRequest, CompletionRequest, read_json
+from .sse import ClientGone, SSEResponse, cancel_on_disconnect, collect, completion_events
 from .tokenization import DetokenizeRequest, TokenizeRequest
 
 SESSION_HEADER = "x-session-id"  # session affinity: requests with one value go to one replica
 REPLICA_HEADER = "x-specd-replica"  # in responses: the index of the replica that generated it
-Handler = Callable[[Request], Awaitable[Response]]
-TRACED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-TOKENIZE_PATHS = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")  # vLLM's, and under /v1
-_tracer = tracer("specd.gateway")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started; its Generate call was cancelled."""
 
 
 class Gateway:
@@ -86,7 +77,7 @@ class Gateway:
                         exact=self.model.exact, tool_names=body.tool_names if chat else None,
                         tool_format=self.tool_format, n=job.params.n)
         return await self._respond(request, job, bool(body.stream), fmt.response,
-                                   partial(_sse, fmt, include_usage=body.include_usage))
+                                   partial(completion_events, fmt, include_usage=body.include_usage))
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, stateless: served as the chat completion it translates to."""
@@ -134,7 +125,7 @@ class Gateway:
         """The Generate call's steps as one JSON object (whole) or an SSE body (events)."""
         steps = generate(self.replicas, self.tokenizer, job, self.metrics)
         if not stream:
-            collected = await cancel_on_disconnect(request, _collect(steps))
+            collected = await cancel_on_disconnect(request, collect(steps))
             return JSONResponse(whole(collected), headers={REPLICA_HEADER: str(collected[-1].replica)})
         # Wait for the first chunk before answering, so errors the verifier reports at once
         # (bad argument, queue full, down) get their HTTP status instead of an in-stream event.
@@ -207,160 +198,6 @@ class Gateway:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
-
-
-async def cancel_on_disconnect(request: Request, awaitable: Awaitable):
-    """Awaits `awaitable`; if the client disconnects first, cancels it and raises ClientGone."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.wait({work})  # let its finally blocks (the gRPC cancel) run
-    if work.cancelled():
-        raise ClientGone()
-    return work.result()
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(steps: AsyncIterator[Step]) -> list[Step]:
-    async with contextlib.aclosing(steps):
-        return [step async for step in steps]
-
-
-def _event(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-
-async def _sse(fmt: Formatter, first: Step, steps: AsyncIterator[Step], include_usage: bool) -> AsyncIterator[bytes]:
-    async with contextlib.aclosing(steps):
-        role = fmt.role_chunk()
-        if role is not None:
-            yield _event(role)
-        step = first
-        try:
-            while True:
-                chunk = fmt.chunk(step)
-                if chunk is not None:
-                    yield _event(chunk)
-                if step.done:
-                    break
-                step = await anext(steps)
-            if include_usage:
-                yield _event(fmt.usage_chunk(step))
-        except APIError as e:  # the status line is gone; the error travels as an event (as vLLM's)
-            yield _event(e.body())
-    yield b"data: [DONE]\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # On disconnect the body generator may be left suspended at a yield; close it
-            # now (not at garbage collection) so its Generate call is cancelled at once.
-            await self.body_iterator.aclose()
-
-
-class LimitConcurrency:
-    """At most `limit` generation (and tokenize) requests in the gateway at once (a streamed one
-    counts until its last byte); the next are answered 429 with Retry-After before their body is read."""
-
-    def __init__(self, app, limit: int, metrics: GatewayMetrics):
-        self.app, self.limit, self.metrics, self.active = app, limit, metrics, 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS + TOKENIZE_PATHS:
-            return await self.app(scope, receive, send)
-        if self.active >= self.limit:
-            self.metrics.rejected.labels("overloaded").inc()
-            response = overloaded(f"the gateway is handling {self.active} requests (the limit is {self.limit}); "
-                                  "retry later").response()
-            return await response(scope, receive, send)
-        self.active += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
-
-
-class CountRequests:
-    """requests_total{endpoint,status}; endpoint is the route template, so ids never become labels."""
-
-    def __init__(self, app, metrics: GatewayMetrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = 500
-
-        async def send_and_note(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            route = scope.get("route")
-            self.metrics.requests.labels(route.path if route is not None else "other", str(status)).inc()
-
-
-class TraceRequests:
-    """One span per generation request, around its whole handling (an SSE body included);
-    the handler and generate() add model, token counts and finish reason to it."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS:
-            return await self.app(scope, receive, send)
-        with _tracer.start_as_current_span(f"gateway {scope['path']}", kind=trace.SpanKind.SERVER) as span:
-            async def send_and_note(message) -> None:
-                if message["type"] == "http.response.start" and span.is_recording():
-                    span.set_attribute("http.response.status_code", message["status"])
-                    if message["status"] >= 500:
-                        span.set_status(trace.StatusCode.ERROR)
-                await send(message)
-
-            await self.app(scope, receive, send_and_note)
-
-
-def disabled(handler: Handler) -> Handler:
-    async def refuse(request: Request) -> Response:
-        raise APIError(403, "the admin API is disabled: start the gateway with --admin-key KEY (or --open-admin, "
-                            "without a key, on a trusted network only)", code="admin_disabled")
-
-    return refuse
-
-
-def require_key(key: str | None, handler: Handler) -> Handler:
-    if key is None:
-        return handler
-    expected = f"Bearer {key}".encode()
-
-    async def guarded(request: Request) -> Response:
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise APIError(401, "missing or incorrect API key (expected an `Authorization: Bearer <key>` header)",
-                           code="invalid_api_key")
-        return await handler(request)
-
-    return guarded
 
 
 def _api_error(metrics: GatewayMetrics) -> Callable[[Request, APIError], Awaitable[Response]]:

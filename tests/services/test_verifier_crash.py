@@ -6,8 +6,8 @@ OpenAI error; those on the survivor complete with that greedy text (within BOUND
 stops routing to the dead replica within a second and its /health names it; new requests are served
 by the survivor.
 
-Shown able to fail (2026-12-02): with the gateway's SSE body swallowing the error (`_sse` in
-services/gateway/app.py yielding nothing in its `except APIError`), the 8 streams on the killed
+Shown able to fail (2026-12-02): with the gateway's SSE body swallowing the error (`completion_events` in
+services/gateway/sse.py yielding nothing in its `except APIError`), the 8 streams on the killed
 replica ended with [DONE] and no error event, read by the client as finished streams without a
 finish reason, and test_sigkill_under_16_streams failed on its first check of them.
 """
