@@ -58,7 +58,8 @@ async def measure(hidden: int, layers: int, batch: int, iters: int) -> dict:
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
     from specd.verifier.drafter_client import DrafterClient, FeatureTarget
     from specd.verifier import drafter_pool
-    from specd.verifier.drafter_pool import _add_entry, wire_pieces
+    from specd.verifier.drafter_pool import _add_entry
+    from specd.verifier.propose_bounds import wire_pieces
 
     sink = Sink(layers, hidden)
     info = drafter_pb2.DrafterInfoResponse(name="sink", method="eagle", vocab_size=49152, max_k=8)

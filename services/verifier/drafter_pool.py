@@ -1,14 +1,14 @@
 """The verifier's drafter pool (docs/architecture.md, "Services"): named drafters, routing, one batched message per
-drafter per step, and a synchronous face for the engine's speculator.
+drafter per step (the engine's speculator calls it through pool_proposer.PoolProposer).
 
 Routing: a request may name its drafter; otherwise a sequence stays with the drafter that
 holds its state while that one is healthy, else goes to the first healthy drafter in
 registration order. Moving to another drafter costs one step's drafts (the new one
 answers "resync" and gets the full history next step). A drafter that is slow, dead or
-talks nonsense costs drafts, never requests: its answers are bounded here, validated by the
-speculator, and a missed deadline simply means no drafts this step. Only trusted drafters'
-sparse q reach the speculator; everyone else's drafts are verified as one-hot (docs/architecture.md, "Services": trust and
-bounds).
+talks nonsense costs drafts, never requests: its answers are bounded (propose_bounds.py),
+validated by the speculator, and a missed deadline simply means no drafts this step. Only
+trusted drafters' sparse q reach the speculator; everyone else's drafts are verified as one-hot
+(docs/architecture.md, "Services": trust and bounds).
 
 Local drafters: an index drafter (suffix, ngram) may also run inside the verifier process
 (--local-drafter). It is asked by the engine's speculator itself, before each plan, for every
@@ -26,12 +26,12 @@ import uuid
 from dataclasses import replace
 
 from specd.rpc.auth import Security
-from specd.config import MAX_TREE_NODES
 from specd.proposers.base import Proposal, ProposeRequest
 from specd.rpc.telemetry import current_traceparent
 from specd.v1 import drafter_pb2, verifier_pb2
 from specd.verifier.drafter_client import DrafterClient, FeatureTarget
-from specd.rpc.wire import MAX_FEATURE_BYTES, proposal_from_proto, propose_entry_to_proto
+from specd.rpc.wire import MAX_FEATURE_BYTES, propose_entry_to_proto
+from specd.verifier.propose_bounds import checked_reply, wire_pieces
 
 log = logging.getLogger("specd.verifier.pool")
 
@@ -39,8 +39,6 @@ DEFAULT_PROPOSE_TIMEOUT_S = 0.25
 
 
 LOOPBACK = ["127.*:*", "localhost:*", "::1:*"]
-# The widest sparse q a drafter may send per draft (draft_model sends its draft top-k, 16 by default).
-MAX_Q_WIDTH = 256
 
 
 class DrafterPool:
@@ -324,111 +322,8 @@ class DrafterPool:
                 client.mark_broken(e)
             # The drafter may or may not have applied these deltas: resend the full history.
             return [Proposal(seq_id=r.seq_id, token_ids=[], resync=True) for r in requests]
-        out = self._checked(client, requests, reply)
+        out = checked_reply(client, requests, reply)
         for p in out:
             if p.resync and not p.history_held:
                 p.history_held = held.get(p.seq_id, 0)
         return out
-
-    def _checked(self, client: DrafterClient, requests: list[ProposeRequest], reply) -> list[Proposal]:
-        """The reply within the protocol's bounds (_in_bounds), looked at through len() before
-        anything is copied: one proposal per sequence asked. A proposal out of bounds is dropped
-        (a violation); ids, q values and a tree's budget and depth are checked by the speculator.
-        An untrusted drafter's q is dropped unread: its drafts are verified as one-hot, which is
-        exact whoever chose them."""
-        asked = {r.seq_id: min(r.k, client.max_k) for r in requests}
-        out, seen, violations = [], set(), 0
-        for p in reply.proposals:
-            k = asked.get(p.seq_id)
-            if k is None or p.seq_id in seen or not _in_bounds(p, k, client.trusted):
-                violations += 1
-                continue
-            seen.add(p.seq_id)
-            out.append(proposal_from_proto(p, client.name, use_q=client.trusted and len(p.q) > 0))
-        if violations:
-            client.violations += violations
-            log.warning("drafter %s: %d proposal(s) out of bounds dropped", client.name, violations)
-        return out
-
-
-def wire_pieces(req: ProposeRequest, layers: tuple[int, ...], max_bytes: int | None = None) -> list[ProposeRequest]:
-    """req as a drafter wanting `layers` gets it: only those feature columns (none for a
-    token-only drafter), split into pieces of at most max_bytes (MAX_FEATURE_BYTES) of features.
-    Row j of req.features is the state that predicted token `first + j` (first = features_from + 1
-    for a full history, else the first new token), so pieces cut the tokens and the rows at the
-    same place."""
-    if not layers or req.features is None:
-        return [replace(req, features=None, feature_layers=())]
-    rows = req.features
-    if tuple(layers) != tuple(req.feature_layers):
-        hidden = rows.shape[1] // len(req.feature_layers)
-        cols = [req.feature_layers.index(j) for j in layers]
-        rows = rows.view(rows.shape[0], len(req.feature_layers), hidden)[:, cols].reshape(rows.shape[0], -1)
-    max_rows = max(1, (max_bytes or MAX_FEATURE_BYTES) // (rows.shape[1] * rows.element_size()))
-    start = req.num_tokens - len(req.new_tokens)  # position of new_tokens[0]
-    first = req.features_from + 1 if req.full_history else start  # token predicted by row 0
-    out, tok, row = [], start, 0
-    while True:
-        end_row = min(row + max_rows, rows.shape[0])
-        end_tok = first + end_row  # tokens up to the last one these rows predicted
-        last = end_row == rows.shape[0]
-        out.append(replace(req, new_tokens=req.new_tokens[tok - start: (req.num_tokens if last else end_tok) - start],
-                           num_tokens=req.num_tokens if last else end_tok, full_history=req.full_history and not out,
-                           features_from=req.features_from if req.full_history and not out else 0,
-                           features=rows[row:end_row], feature_layers=tuple(layers)))
-        if last:
-            return out
-        tok, row = end_tok, end_row
-
-
-class PoolProposer:
-    """The engine's proposer interface, called from the engine thread, run on the event loop."""
-
-    def __init__(self, pool: DrafterPool, loop: asyncio.AbstractEventLoop):
-        self.pool, self.loop = pool, loop
-
-    def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
-        future = asyncio.run_coroutine_threadsafe(self.pool.propose(batch), self.loop)
-        try:  # the pool keeps its own deadlines; this bound only guards against a stuck loop
-            return future.result(timeout=self.pool.timeout_s * 4 + 1.0)
-        except TimeoutError:
-            future.cancel()
-            log.error("drafter pool did not answer within %.1f s; stepping without drafts",
-                      self.pool.timeout_s * 4 + 1.0)
-            return []
-
-    def release(self, seq_ids: list[int]) -> None:
-        self.loop.call_soon_threadsafe(self.pool.release, list(seq_ids))
-
-    @property
-    def inline_drafters(self) -> dict:
-        """The pool's local drafters: the speculator asks them itself, on the engine thread."""
-        return self.pool.local
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.pool.feature_layers
-
-    @property
-    def drafter_names(self) -> list[str]:
-        """Healthy drafters, the default first: what the speculation controller chooses among."""
-        return self.pool.healthy_names()
-
-    def pinned_drafter(self, seq_id: int) -> str | None:
-        return self.pool.seq_choice.get(seq_id)
-
-    @property
-    def reading_histories(self) -> bool:
-        """Whether a drafter service still reads new histories in the background (DrafterClient.catching_up)."""
-        return any(c.catching_up for c in list(self.pool.drafters.values()))
-
-    def one_forward_of(self, name: str) -> bool:
-        return self.pool.one_forward_of(name)
-
-
-def _in_bounds(p, k: int, trusted: bool) -> bool:
-    """A wire proposal's shape: at most k drafts (a tree: MAX_TREE_NODES, one parent each), q one
-    row per draft, each row at most MAX_Q_WIDTH wide where it will be read."""
-    n, tree = len(p.token_ids), len(p.parents) > 0
-    return (n <= (MAX_TREE_NODES if tree else k) and (not tree or len(p.parents) == n)
-            and (not len(p.q) or len(p.q) == n) and not (trusted and any(len(d.ids) > MAX_Q_WIDTH for d in p.q)))

@@ -200,7 +200,8 @@ async def _serve(args, config, spec, metrics, security, startup) -> None:
     from specd.models.tokenizer import vocab_hash_of
     from specd.v1 import verifier_pb2, verifier_pb2_grpc
     from specd.verifier.async_engine import STREAM_INTERVAL_S, Admission, AsyncEngine
-    from specd.verifier.drafter_pool import DrafterPool, PoolProposer
+    from specd.verifier.drafter_pool import DrafterPool
+    from specd.verifier.pool_proposer import PoolProposer
     from specd.verifier.server import VerifierService
 
     log = logging.getLogger("specd.verifier")

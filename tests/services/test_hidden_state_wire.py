@@ -22,9 +22,11 @@ from specd.engine.llm_engine import LLMEngine
 from specd.proposers.base import ProposeRequest, feature_rows
 from specd.sampling import SamplingParams
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
-from specd.verifier import drafter_pool
+from specd.verifier import drafter_pool, propose_bounds
 from specd.verifier.drafter_client import FeatureMismatch, FeatureTarget, check_features
-from specd.verifier.drafter_pool import DrafterPool, PoolProposer, wire_pieces
+from specd.verifier.drafter_pool import DrafterPool
+from specd.verifier.pool_proposer import PoolProposer
+from specd.verifier.propose_bounds import wire_pieces
 from specd.rpc.wire import tensor_to_proto
 
 transformers = pytest.importorskip("transformers")
@@ -99,7 +101,7 @@ def test_the_drafter_receives_the_targets_hidden_states_in_pieces(loop, model_di
 
 
 def test_wire_pieces_cut_tokens_and_rows_at_the_same_place(monkeypatch):
-    monkeypatch.setattr(drafter_pool, "MAX_FEATURE_BYTES", 4 * 2 * 3 * 4)  # 4 rows of 2 layers x 3 wide, fp32
+    monkeypatch.setattr(propose_bounds, "MAX_FEATURE_BYTES", 4 * 2 * 3 * 4)  # 4 rows of 2 layers x 3 wide, fp32
     n = 11
     feats = torch.arange((n - 1) * 3 * 3, dtype=torch.float32).view(n - 1, 9)  # layers (0, 2, 5), H = 3
     req = ProposeRequest(seq_id=7, new_tokens=list(range(100, 100 + n)), num_tokens=n, k=4, full_history=True,

@@ -22,7 +22,8 @@ from specd.engine.llm_engine import LLMEngine
 from specd.proposers.ngram import NgramProposer
 from specd.sampling import SamplingParams
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
-from specd.verifier.drafter_pool import DrafterPool, PoolProposer
+from specd.verifier.drafter_pool import DrafterPool
+from specd.verifier.pool_proposer import PoolProposer
 
 READ_S = 0.3  # what reading a whole history takes the slow drafter below (far above a cycle here)
 
