@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name, machine_info  # noqa: E402
 from real_pair_http import free_port  # noqa: E402
 
-from specd.cli.up import http_ok  # noqa: E402
+from specd.cli.readiness import http_ok  # noqa: E402
 
 STARTUP_S = 300.0
 

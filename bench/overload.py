@@ -77,7 +77,7 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
 
 def main() -> int:
     from specd.models.demo_paths import demo_model_dir
-    from specd.cli.up import grpc_serving, http_ok
+    from specd.cli.readiness import grpc_serving, http_ok
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(demo_model_dir("target")))

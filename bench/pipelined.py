@@ -78,7 +78,7 @@ class Procs:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from specd.models import model_store
-    from specd.cli.up import drafters_registered, grpc_serving, http_ok
+    from specd.cli.readiness import drafters_registered, grpc_serving, http_ok
     from specd_train.workloads import workload
 
     methods = args.methods.split(",")

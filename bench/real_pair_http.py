@@ -21,7 +21,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from specd.cli.up import Stack, drafters_registered, grpc_serving, http_ok, wait_ready
+from specd.cli.readiness import drafters_registered, grpc_serving, http_ok, wait_ready
+from specd.cli.up import Stack
 
 DRAFTER_OPTIONS = {  # what the offline rows use, as drafter-side options
     "draft_model": {"draft_sample_method": "sampled"},  # sampled drafts only where temperature > 0

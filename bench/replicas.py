@@ -122,7 +122,7 @@ def main() -> int:
     from specd import LLM
     from specd.models.demo_paths import demo_model_dir
     from specd.sampling import SamplingParams
-    from specd.cli.up import drafters_registered, grpc_serving, http_ok
+    from specd.cli.readiness import drafters_registered, grpc_serving, http_ok
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(demo_model_dir("target")))

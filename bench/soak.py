@@ -267,7 +267,7 @@ class Soak:
                                  "--model", model_store.default_drafter(), "--port", str(port),
                                  "--metrics-port", str(free_port()), "--threads", "1", "--log-level", "warning"],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        from specd.cli.up import grpc_serving
+        from specd.cli.readiness import grpc_serving
         from specd.rpc import auth
 
         security = auth.Security(secret=self.token_file.read_text().strip())

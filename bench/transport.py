@@ -127,7 +127,8 @@ def main() -> None:
 
     from spec import heldout_prompts  # bench/spec.py: the held-out stdlib code prompts
     from specd.rpc.grpc_server import install_uvloop
-    from specd.cli.up import Stack, grpc_serving, http_ok, wait_ready
+    from specd.cli.readiness import grpc_serving, http_ok, wait_ready
+    from specd.cli.up import Stack
 
     stack = Stack()
     never = threading.Event()

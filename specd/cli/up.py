@@ -13,8 +13,10 @@ import sys
 import threading
 import time
 
+from specd.cli.ports import metrics_ports, replica_metrics_port
+from specd.cli.readiness import drafters_registered, grpc_serving, http_ok, wait_ready
+
 HELP = "start gateway + verifier + drafters on this machine (default: SmolLM2-135M-Instruct and its drafter)"
-READY_TIMEOUT_S = 600.0  # a first start builds the CPU kernels; a large GGUF loads for minutes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,39 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared secret of the gRPC hops (default: $SPECD_AUTH_TOKEN, else a new random one, "
                         "left for `specd drafters` in $SPECD_CACHE/up/verifier-PORT.token)")
     p.add_argument("--log-level", default="warning", help="log level of the services (default warning)")
-
-
-def metrics_ports(args, num_drafters: int, num_replicas: int = 1) -> tuple[int, list[int]]:
-    """The verifier's (replica 0's) and the drafters' metrics ports (0: off). --metrics-port N: N
-    (replica i: N+i, replica_metrics_port), then the next ones for the drafters; by default each
-    service's own rule (specd.rpc.metrics_port), where a port the OS would pick is picked here, so
-    the ports can be printed."""
-    if args.metrics_port is not None:
-        n = args.metrics_port
-        return n, [n + num_replicas + i if n else 0 for i in range(num_drafters)]
-    return _derived_metrics_port(args.verifier_port), [_derived_metrics_port(args.drafter_port + i)
-                                                       for i in range(num_drafters)]
-
-
-def replica_metrics_port(args, first: int, i: int) -> int:
-    """Replica i's metrics port, given replica 0's (from metrics_ports)."""
-    if i == 0 or args.metrics_port is not None:
-        return first + i if first else 0
-    return _derived_metrics_port(args.verifier_port + i)
-
-
-def _derived_metrics_port(grpc_port: int) -> int:
-    from specd.rpc.metrics_port import default_metrics_port
-
-    return default_metrics_port(grpc_port) or _free_port()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_drafter(value: str) -> tuple[str, str | None]:
@@ -199,66 +168,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def grpc_serving(address: str, security=None) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from specd.rpc import auth
-
-    try:
-        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def http_ok(url: str, ca: str | None = None, all_serving: bool = False) -> bool:
-    """200 from url; with all_serving, a gateway's /health also says every replica serves
-    ("ok", not "degraded"), and that call puts each in its routing at once."""
-    import json
-    import ssl
-    import urllib.request
-
-    context = ssl.create_default_context(cafile=ca) if ca else None
-    try:
-        with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
-            return reply.status == 200 and (not all_serving or json.loads(reply.read()).get("status") == "ok")
-    except (OSError, ValueError):
-        return False
-
-
-def drafters_registered(address: str, names: list[str], security=None) -> bool:
-    import grpc
-
-    from specd.rpc import auth
-    from specd.v1 import verifier_pb2, verifier_pb2_grpc
-
-    try:
-        with auth.sync_channel(address, security, auth.VERIFIER) as channel:
-            reply = verifier_pb2_grpc.VerifierStub(channel).ListDrafters(verifier_pb2.ListDraftersRequest(),
-                                                                         timeout=1.0)
-    except grpc.RpcError:
-        return False
-    healthy = {d.name for d in reply.drafters if d.healthy}
-    return all(n in healthy for n in names)
-
-
-def wait_ready(stack: Stack, checks: list[tuple[str, callable]], stopping: threading.Event,
-               timeout: float = READY_TIMEOUT_S) -> None:
-    pending = list(checks)
-    deadline = time.monotonic() + timeout
-    while pending and not stopping.is_set():
-        dead = stack.dead()
-        if dead:
-            raise RuntimeError("; ".join(f"{n} exited with code {c}" for n, c in dead) + " (its log is above)")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {timeout:.0f} s: {', '.join(n for n, _ in pending)}")
-        pending = [(n, check) for n, check in pending if not check()]
-        if pending:
-            time.sleep(0.25)
 
 
 RESTARTS_PER_MINUTE = 5  # a child that dies more often than this is not coming back: the stack goes down

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.cli.up import grpc_serving, http_ok
+from specd.cli.readiness import grpc_serving, http_ok
 
 STARTUP_TIMEOUT_S = 120.0
 

@@ -17,7 +17,7 @@ from tls_certs import make_self_signed
 
 from specd.rpc import auth
 from specd.models.demo_paths import demo_model_dir
-from specd.cli.up import grpc_serving
+from specd.cli.readiness import grpc_serving
 from specd.v1 import drafter_pb2 as dpb
 from specd.v1 import drafter_pb2_grpc as dpbg
 from specd.v1 import verifier_pb2 as pb

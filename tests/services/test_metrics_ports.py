@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.models.demo_paths import demo_model_dir
 from specd.rpc.metrics_port import METRICS_PORT_OFFSET, default_metrics_port
-from specd.cli.up import grpc_serving, metrics_ports
+from specd.cli.ports import metrics_ports
+from specd.cli.readiness import grpc_serving
 
 STARTUP_TIMEOUT_S = 120.0
 URL_RE = re.compile(r"metrics at (http://127\.0\.0\.1:(\d+)/metrics)")

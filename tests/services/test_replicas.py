@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.models.demo_paths import demo_model_dir
 from specd.gateway.replicas import affinity_rank
 from specd.sampling import SamplingParams
-from specd.cli.up import drafters_registered, grpc_serving
+from specd.cli.readiness import drafters_registered, grpc_serving
 from specd.v1 import verifier_pb2 as pb
 from specd.v1 import verifier_pb2_grpc as pbg
 

@@ -133,7 +133,7 @@ def _child(parent: int, role: str, port: int) -> int:
 def test_a_killed_service_is_started_again(up):
     """SIGKILL the verifier, then a drafter: `specd up` starts each again on its port, and the
     stack serves the same greedy text afterwards."""
-    from specd.cli.up import grpc_serving
+    from specd.cli.readiness import grpc_serving
 
     proc, ports = up["proc"], up["ports"]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="x", max_retries=0, timeout=120)
