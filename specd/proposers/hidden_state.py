@@ -60,6 +60,9 @@ class HiddenStateProposer(SampledDrafts):
         pieces = load_target_pieces(target, embed=method in CHAIN_METHODS or cfg.get("specd_embeddings") == "target",
                                     lm_head=method == "eagle" or cfg.get("specd_lm_head") == "target")
         self.arch = pieces.arch
+        # what the drafter's Info says of the target (services/drafter/main.py)
+        self.hidden_size, self.target_layers = pieces.arch.hidden_size, pieces.arch.num_layers
+        self.vocab_size = pieces.arch.vocab_size
         self.dtype = resolve_dtype(dtype, pieces.arch, self.device)
         L = pieces.arch.num_layers
         if method == "eagle3":
@@ -116,18 +119,6 @@ class HiddenStateProposer(SampledDrafts):
     # Tentative requests fork the state (a copy of the head's KV): many outcomes of one sequence
     # draft in one batch.
     tentative_batches = True
-
-    @property
-    def hidden_size(self) -> int:
-        return self.arch.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.arch.vocab_size
-
-    @property
-    def target_layers(self) -> int:
-        return self.arch.num_layers
 
     def propose(self, batch: list[ProposeRequest]) -> list[Proposal]:
         out: list[Proposal | None] = [None] * len(batch)
