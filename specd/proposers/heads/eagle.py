@@ -22,7 +22,7 @@ from torch import nn
 from specd.engine.model.decoder import RMSNorm
 from specd.engine.model.rotary import RotaryEmbedding
 from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, layer_arch, take
-from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
+from specd.proposers.heads.layer import DecoderHead, HeadLayer, KVCache, advance, positions
 
 _SPECULATORS_NAMES = {"fusion_fc.": "fc.", "transformer.": "layers.0."}
 _HASS_NAMES = {"embed_layernorm.weight": "embedding_layernorm.weight",
@@ -30,7 +30,7 @@ _HASS_NAMES = {"embed_layernorm.weight": "embedding_layernorm.weight",
                "hidden_layernorm.weight": "layers.0.input_layernorm.weight"}
 
 
-class EagleHead(nn.Module):
+class EagleHead(DecoderHead):
     def __init__(self, cfg: dict, layernorms: bool, fc_bias: bool, num_layers: int, max_positions: int):
         super().__init__()
         self.arch = arch = layer_arch(cfg)
@@ -49,9 +49,6 @@ class EagleHead(nn.Module):
     @property
     def feature_dim(self) -> int:
         return self.arch.hidden_size
-
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers))
 
     def forward(self, kvs: list[KVCache], counts: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
                 from_target: bool) -> torch.Tensor:

@@ -22,10 +22,10 @@ from torch import nn
 from specd.engine.model.decoder import RMSNorm
 from specd.engine.model.rotary import RotaryEmbedding
 from specd.proposers.heads.checkpoint import TargetPieces, draft_to_target, layer_arch, take
-from specd.proposers.heads.layer import HeadLayer, KVCache, advance, positions
+from specd.proposers.heads.layer import DecoderHead, HeadLayer, KVCache, advance, positions
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DecoderHead):
     def __init__(self, cfg: dict, opts: dict, num_aux: int, target_hidden: int, draft_vocab: int,
                  num_layers: int, max_positions: int):
         super().__init__()
@@ -49,9 +49,6 @@ class Eagle3Head(nn.Module):
     @property
     def feature_dim(self) -> int:
         return self.fc.in_features
-
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers))
 
     def forward(self, kvs: list[KVCache], counts: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
                 from_target: bool) -> torch.Tensor:

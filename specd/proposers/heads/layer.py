@@ -141,3 +141,13 @@ class HeadLayer(nn.Module):
             self.input_layernorm.weight.data.copy_(get("input_layernorm.weight", self.input_layernorm.weight))
         self.post_attention_layernorm.weight.data.copy_(
             get("post_attention_layernorm.weight", self.post_attention_layernorm.weight))
+
+
+class DecoderHead(nn.Module):
+    """A head whose body is `layers`, HeadLayers (EAGLE-1/2 and EAGLE-3): a sequence's cache holds
+    one K/V per layer."""
+
+    layers: nn.ModuleList
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers))
