@@ -210,11 +210,8 @@ class DraftModelProposer(SampledDrafts):
         frontier = {s.seq_id: [-1] for s, _ in active}  # -1: the root (the catch-up's last row)
         # one stream per sequence and step, drawn in the tree's own order: batch-independent
         gens = {s.seq_id: self._draft_generator(r, len(s)) for s, r in active if self._sampled(r)}
-        for depth, width in enumerate(self.tree_branching):
-            live, logits = self._tree_depth(active, depth, base, frontier,
-                                            {s.seq_id: out[s.seq_id].parents for s, _ in active})
-            if not live:
-                return
+        parents = {s.seq_id: out[s.seq_id].parents for s, _ in active}  # grown in place below
+        for _, width, live, logits in self._tree_depths(active, base, frontier, parents):
             row = 0
             for seq, req in live:
                 prop, newest = out[seq.seq_id], []
@@ -239,10 +236,7 @@ class DraftModelProposer(SampledDrafts):
         run_of = {s.seq_id: {-1: -1} for s, _ in active}  # node -> its place among the run nodes
         run_parents = {s.seq_id: [] for s, _ in active}
         frontier = {s.seq_id: [-1] for s, _ in active}  # nodes to run at this depth; -1: the root
-        for depth, width in enumerate(self.tree_branching):
-            live, logits = self._tree_depth(active, depth, base, frontier, run_parents)
-            if not live:
-                break
+        for depth, width, live, logits in self._tree_depths(active, base, frontier, run_parents):
             row = 0
             for seq, _ in live:
                 tree, newest = nodes[seq.seq_id], []
@@ -268,24 +262,27 @@ class DraftModelProposer(SampledDrafts):
             prop.token_ids = [tree[i][2] for i in kept]
             prop.parents = [place[tree[i][3]] if tree[i][3] >= 0 else -1 for i in kept]
 
-    def _tree_depth(self, active, depth: int, base: dict, frontier: dict, parents: dict):
-        """One forward of a tree depth: each sequence still drafting runs its frontier's nodes (the
-        last len(frontier) tokens fed; depth 0: the catch-up chunk, whose last row is the root)
-        under the tree mask of `parents` (relative to base). -> (those sequences, logits by row)."""
-        live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
-                and frontier[s.seq_id] and self._room(s)]
-        if not live:
-            return [], None
-        entries = []
-        for s, _ in live:
-            e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
-            if depth:
-                e.tree_base, e.tree_parents = base[s.seq_id], parents[s.seq_id]
-            entries.append(e)
-        logits = self.runner.run(entries)
-        for e in entries:
-            e.seq.num_computed_tokens += e.num_new_tokens
-        return live, logits
+    def _tree_depths(self, active, base: dict, frontier: dict, parents: dict):
+        """One forward per tree depth, while any sequence still drafts: each such sequence runs its
+        frontier's nodes (the last len(frontier) tokens fed; depth 0: the catch-up chunk, whose last
+        row is the root) under the tree mask of `parents` (relative to base). Yields (depth, its
+        branching width, those sequences, logits by row); the caller grows frontier and parents
+        for the next depth."""
+        for depth, width in enumerate(self.tree_branching):
+            live = [(s, r) for s, r in active if min(r.k, len(self.tree_branching)) > depth
+                    and frontier[s.seq_id] and self._room(s)]
+            if not live:
+                return
+            entries = []
+            for s, _ in live:
+                e = ScheduledSeq(s, s.num_uncomputed_tokens, len(frontier[s.seq_id]))
+                if depth:
+                    e.tree_base, e.tree_parents = base[s.seq_id], parents[s.seq_id]
+                entries.append(e)
+            logits = self.runner.run(entries)
+            for e in entries:
+                e.seq.num_computed_tokens += e.num_new_tokens
+            yield depth, width, live, logits
 
     def _children(self, logits: torch.Tensor, width: int, req: ProposeRequest, gen):
         """Up to width (token, q) children of a node: the top tokens (q one-hot: None), or draws
