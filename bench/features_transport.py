@@ -1,6 +1,6 @@
 """What the target's hidden states cost on the Propose hop (issue 15: feature bytes per step).
 
-The verifier's own DrafterClient and message builder (services/verifier/drafter_pool.py)
+The verifier's own DrafterClient and message builder (services/verifier/propose_bounds.py, specd/rpc/wire.py)
 against the real DrafterService on loopback gRPC, hosting a proposer that drafts nothing, so
 the round trip is transport plus (de)serialisation only: the rows go out as the pool packs them
 (bfloat16) and the service unpacks and checks them as it does for a hidden-state head. Per step
@@ -58,7 +58,7 @@ async def measure(hidden: int, layers: int, batch: int, iters: int) -> dict:
     from specd.v1 import drafter_pb2, drafter_pb2_grpc
     from specd.verifier.drafter_client import DrafterClient, FeatureTarget
     from specd.verifier import drafter_pool
-    from specd.verifier.drafter_pool import _add_entry
+    from specd.rpc.wire import propose_entry_to_proto
     from specd.verifier.propose_bounds import wire_pieces
 
     sink = Sink(layers, hidden)
@@ -89,12 +89,12 @@ async def measure(hidden: int, layers: int, batch: int, iters: int) -> dict:
             lead = drafter_pb2.ProposeBatch(client_id="bench")
             for p in pieces:
                 if depth < len(p) - 1:
-                    _add_entry(lead, p[depth], 0)
+                    propose_entry_to_proto(lead, p[depth], 0)
             size += lead.ByteSize()
             await client.round_trip(lead)
         msg = drafter_pb2.ProposeBatch(client_id="bench")
         for p in pieces:
-            _add_entry(msg, p[-1], 4)
+            propose_entry_to_proto(msg, p[-1], 4)
         size += msg.ByteSize()
         await client.round_trip(msg)
         return time.perf_counter() - t0, size
