@@ -16,6 +16,9 @@
 # Usage:  bash bench/build_llamacpp.sh            # download + build
 #         JOBS=1 bash bench/build_llamacpp.sh     # fewer compile jobs
 #         bash bench/build_llamacpp.sh --print-dir   # just print the bin dir
+#         NO_AMX=1 bash bench/build_llamacpp.sh       # AVX-512 (+VNNI, BF16), AMX off, not native: into
+#             build-<version>-noamx/ and bin-noamx/. On an AMX Xeon (family 6 model 167) the native build
+#             segfaults in ggml-cpu on a Q4_K_M file (llama-bench, rc 139; 2026-12-02); this one runs.
 #         bash bench/build_llamacpp.sh --with-models  # also: converter venv + GGUFs:
 #             $TARGET_HF_DIR (default: the fetched default target, `specd models path target`) -> models/<name>-f32.gguf, -bf16.gguf,
 #             Q8_0 and Q4_K_M quantized from the f32 one (llama-quantize),
@@ -43,6 +46,14 @@ SDIST="$DL_DIR/llama_cpp_python-$LCP_VERSION.tar.gz"
 LLAMA_SRC="$SRC_DIR/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
 BUILD_DIR="$BENCH_DIR/build-$LCP_VERSION"
 BIN_DIR="$BENCH_DIR/bin"
+CPU_FLAGS=(-DGGML_NATIVE=ON)
+if [[ -n "${NO_AMX:-}" ]]; then
+    BUILD_DIR="$BUILD_DIR-noamx"
+    BIN_DIR="$BIN_DIR-noamx"
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
+               -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 
 # Targets: plain decoding (llama-completion is the old `main`; llama-cli in
 # this llama.cpp version is a chat front-end linked against the server, so we
@@ -109,7 +120,7 @@ if [[ ! -f "$BUILD_DIR/CMakeCache.txt" || -n "${FORCE_CONFIGURE:-}" ]]; then
     cmake -S "$LLAMA_SRC" -B "$BUILD_DIR" \
         -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_NATIVE=ON \
+        "${CPU_FLAGS[@]}" \
         -DGGML_OPENMP=ON \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
         -DGGML_BACKEND_DL=OFF \

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Literal
 from pydantic import ValidationError
 
 from .errors import APIError, bad_request
-from .schemas import ChatCompletionRequest, Speculative, _Body
+from .schemas import ChatCompletionRequest, SamplingFields, Speculative, ToolFields, _Body
 
 # OpenAI's metadata limits: 16 pairs, keys to 64 characters, values to 512.
 MAX_METADATA = (16, 64, 512)
@@ -43,19 +43,14 @@ class ResponsesStreamOptions(_Body):
     include_obfuscation: bool | None = None  # random padding against length side channels: not added here
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(SamplingFields, ToolFields):  # (temperature, top_p; as on chat: top_k, min_p, seed, stop)
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     text: TextConfig | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
@@ -72,12 +67,8 @@ class ResponsesRequest(_Body):
     conversation: str | dict | None = None
     background: bool | None = None
     prompt: dict | None = None
-    # specd's and vLLM's extensions, as on chat
+    # specd's extension, as on chat
     speculative: Speculative | None = None
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop: str | list[str] | None = None
 
     def check_supported(self) -> None:
         """400 naming the field for what needs stored state or is not implemented."""

@@ -78,15 +78,20 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class _GenerationBody(_Body):
-    model: str | None = None  # None: the served model (as vLLM)
-    max_tokens: int | None = None
+class SamplingFields(_Body):
+    """The sampling knobs every generation endpoint takes (chat, completions, responses), one
+    definition of their types; top_k and min_p are vLLM's extensions."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+
+
+class _GenerationBody(SamplingFields):
+    model: str | None = None  # None: the served model (as vLLM)
+    max_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = False
@@ -174,14 +179,18 @@ class _GenerationBody(_Body):
             raise bad_request(msg, param=msg.split(" ", 1)[0]) from None
 
 
-class ChatCompletionRequest(_GenerationBody):
+class ToolFields(_Body):
+    """The tool fields of chat and responses requests (checked by tools.check)."""
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class ChatCompletionRequest(_GenerationBody, ToolFields):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
 
     def check_tools(self, template: str | None, tool_format: tools.ToolFormat | None) -> None:
         """400 naming tools or tool_choice for what this model's template or specd cannot serve."""
