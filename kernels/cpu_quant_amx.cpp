@@ -148,8 +148,10 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
   for (int i = 0; i < MG; ++i) acc[i] = macc[i] = _mm512_setzero_ps();
   for (int64_t ib = 0; ib < nblk; ++ib) {
     const uint8_t* wb = w + ib * BYTES;
-    if (ib + AHEAD < nblk)
-      for (int64_t c = 0; c < cols; ++c) prefetch_block(wb + c * ldw + AHEAD * BYTES, BYTES);
+    // AHEAD blocks on, or past a row's end the next column block's first ones (a prefetch past the
+    // weight's end is harmless): K = 1536 has only 6 blocks a row
+    const uint8_t* ahead = ib + AHEAD < nblk ? wb + AHEAD * BYTES : w + 16 * ldw + (ib + AHEAD - nblk) * BYTES;
+    for (int64_t c = 0; c < 16; ++c) prefetch_block(ahead + c * ldw, BYTES);
     for (int64_t c = 0; c < cols; ++c) {
       if constexpr (Q4) unpack_q4k(wb + c * ldw, scratch + c * SCRATCH);
       else unpack_q6k(wb + c * ldw, scratch + c * SCRATCH);
