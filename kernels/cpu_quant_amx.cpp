@@ -303,7 +303,11 @@ Rows prepare(const int8_t* q, const float* d, const int32_t* sums, int64_t M, in
     g.xsp.assign(nblk * 4 * 16, 0);
     for (int m = 0; m < g.rows; ++m) {
       const int8_t* x = q + (r0 + m) * K;
-      for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(g.xb.data() + (k4 * mg + m) * 4, x + 4 * k4, 4);
+      if (mg == 1) {
+        std::memcpy(g.xb.data(), x, K);  // one row: the layout is the row
+      } else {
+        for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(g.xb.data() + (k4 * mg + m) * 4, x + 4 * k4, 4);
+      }
       for (int64_t b = 0; b < nblk; ++b) {
         g.dx[b * 16 + m] = d[(r0 + m) * nblk + b];
         const int32_t* s = sums + (r0 + m) * (K / 32) + 8 * b;
