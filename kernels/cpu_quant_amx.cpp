@@ -57,11 +57,12 @@ struct alignas(64) TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
 // rows x mg groups of 4 bytes); sub-block j takes C j % 6. (Each sub-block's C waits for the store of
 // the one before it in that tile: six of them in flight were 2-7% faster at 1 row than four C tiles
 // beside two A and two B.)
-__attribute__((target("amx-tile"))) void configure(int ks, int mg) {
+// (One row: A 64 bytes wide, B 16 x 4 spb, C 16 x spb int32: the block-diagonal form below.)
+__attribute__((target("amx-tile"))) void configure(int a_colsb, int b_rows, int c_colsb) {
   TileConfig c;
-  for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = 4 * mg;
-  c.rows[6] = 16, c.colsb[6] = ks;
-  c.rows[7] = ks / 4, c.colsb[7] = 4 * mg;
+  for (int t = 0; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = c_colsb;
+  c.rows[6] = 16, c.colsb[6] = a_colsb;
+  c.rows[7] = b_rows, c.colsb[7] = c_colsb;
   // GCC 12's _tile_loadconfig does not tell the optimiser that it reads the struct (cpu_bf16_matmul.cpp)
   asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
@@ -69,10 +70,11 @@ __attribute__((target("amx-tile"))) void configure(int ks, int mg) {
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
 // One sub-block's tile product: A at a (stride SCRATCH), B at b (stride 4 mg), C stored to c.
-#define SPECD_SUB(TC, TA, TB, a, b, mg, c) \
+#define SPECD_SUB(TC, TA, TB, a, b, mg, c) SPECD_PRODUCT(TC, TA, TB, a, SCRATCH, b, mg, c)
+#define SPECD_PRODUCT(TC, TA, TB, a, lda, b, mg, c) \
   do {                                     \
     _tile_zero(TC);                        \
-    _tile_loadd(TA, a, SCRATCH);           \
+    _tile_loadd(TA, a, lda);               \
     _tile_loadd(TB, b, 4 * (mg));          \
     _tile_dpbssd(TC, TA, TB);              \
     _tile_stored(TC, c, 4 * (mg));         \
@@ -141,13 +143,17 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
                   int8_t* scratch, int32_t* cbuf, float* out, int64_t ldo) {
   constexpr bool Q4 = T == Q4_K;
   constexpr int64_t BYTES = Q4 ? Q4_K_BYTES : Q6_K_BYTES;
-  constexpr int SUBS = Q4 ? 8 : 16, KS = 256 / SUBS;
+  constexpr int SUBS = Q4 ? 8 : 16, KS = 256 / SUBS, SPB = Q4 ? 2 : 4;
   const int64_t nblk = K / 256;
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(ldw)));
   __m512 acc[MG], macc[MG];
   for (int i = 0; i < MG; ++i) acc[i] = macc[i] = _mm512_setzero_ps();
+  // (one row) the permutes of the block-diagonal form: a pair's scales, every 2nd and 4th lane
+  const __m512i pair_index = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                fourth_index = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t ib = 0; ib < nblk; ++ib) {
     const uint8_t* wb = w + ib * BYTES;
     // AHEAD blocks on, or past a row's end the next column block's first ones (a prefetch past the
@@ -160,7 +166,15 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
     }
     asm volatile("" : : : "memory");  // the tile loads read the scratch (their asm says nothing of memory)
     const int8_t* xb = g.xb.data() + ib * 256 * MG;
-    if constexpr (Q4) {
+    if constexpr (MG == 1) {
+      // One row: each product takes 64 k, SPB sub-blocks side by side (block-diagonal B), so a block is
+      // 4 products where it was 8 (Q4_K) or 16 (Q6_K).
+      const int8_t* xd = (Q4 ? g.xd2.data() : g.xd4.data()) + ib * 4 * 64 * SPB;
+      SPECD_PRODUCT(0, 6, 7, scratch + 0, SCRATCH, xd + 0 * 64 * SPB, SPB, cbuf + 0 * 16 * SPB);
+      SPECD_PRODUCT(1, 6, 7, scratch + 64, SCRATCH, xd + 1 * 64 * SPB, SPB, cbuf + 1 * 16 * SPB);
+      SPECD_PRODUCT(2, 6, 7, scratch + 128, SCRATCH, xd + 2 * 64 * SPB, SPB, cbuf + 2 * 16 * SPB);
+      SPECD_PRODUCT(3, 6, 7, scratch + 192, SCRATCH, xd + 3 * 64 * SPB, SPB, cbuf + 3 * 16 * SPB);
+    } else if constexpr (Q4) {
       SPECD_SUB(0, 6, 7, scratch + 0 * KS, xb + 0 * KS * MG, MG, cbuf + 0 * 16 * MG);
       SPECD_SUB(1, 6, 7, scratch + 1 * KS, xb + 1 * KS * MG, MG, cbuf + 1 * 16 * MG);
       SPECD_SUB(2, 6, 7, scratch + 2 * KS, xb + 2 * KS * MG, MG, cbuf + 2 * 16 * MG);
@@ -189,6 +203,7 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
     }
     // the scales of the 16 weight rows as vectors over n (while the tiles run)
     __m512i sc[SUBS], mpair[4];
+    alignas(64) int8_t q6sc[4][64];  // Q6_K's scale words as gathered (the block-diagonal form reads them)
     __m512 d, dmin;
     if constexpr (Q4) {
       const __m512i dm = gather_words(wb, rows, mask, 0), u0 = gather_words(wb, rows, mask, 4),
@@ -218,6 +233,7 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
     } else {
       for (int q = 0; q < 4; ++q) {
         const __m512i v = gather_words(wb, rows, mask, 192 + 4 * q);
+        if constexpr (MG == 1) _mm512_store_si512(q6sc[q], v);
         for (int b = 0; b < 4; ++b) sc[4 * q + b] = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
       }
       d = halves(gather_words(wb, rows, mask, 206), 1);  // (bytes 208-209; 206 so no read passes the block)
@@ -226,8 +242,37 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
     const __m512 dxv = _mm512_loadu_ps(g.dx.data() + ib * 16);
     for (int i = 0; i < MG; ++i) {
       __m512i isum = _mm512_setzero_si512();
-      for (int j = 0; j < SUBS; ++j)
-        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_loadu_si512(cbuf + j * 16 * MG + 16 * i), by_n(sp, i, sc[j])));
+      if constexpr (MG == 1) {
+        // product t's C: lane l of vector v is weight row (16 v + l) / SPB, sub-block SPB t + l % SPB
+        __m512i part[SPB];
+        for (int v = 0; v < SPB; ++v) part[v] = _mm512_setzero_si512();
+        for (int t = 0; t < 4; ++t)
+          for (int v = 0; v < SPB; ++v) {
+            __m512i scale;
+            if constexpr (Q4)  // sc_2t of row 8v + l / 2 in even lanes, sc_2t+1 in odd
+              scale = _mm512_permutex2var_epi32(sc[2 * t], _mm512_add_epi32(_mm512_set1_epi32(8 * v), pair_index), sc[2 * t + 1]);
+            else  // bytes 16v .. 16v+15 of the scale words at 192 + 4t: rows 4v .. 4v+3, 4 scales each
+              scale = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q6sc[t] + 16 * v)));
+            part[v] = _mm512_add_epi32(part[v], _mm512_mullo_epi32(_mm512_loadu_si512(cbuf + t * 16 * SPB + 16 * v), scale));
+          }
+        // each row's SPB lanes summed (exact: integers), then the rows in order
+        if constexpr (Q4) {
+          const __m512i a = _mm512_add_epi32(part[0], _mm512_shuffle_epi32(part[0], _MM_PERM_CDAB)),
+                        b = _mm512_add_epi32(part[1], _mm512_shuffle_epi32(part[1], _MM_PERM_CDAB));
+          isum = _mm512_permutex2var_epi32(a, even_index, b);
+        } else {
+          __m512i r[4];
+          for (int v = 0; v < 4; ++v) {
+            r[v] = _mm512_add_epi32(part[v], _mm512_shuffle_epi32(part[v], _MM_PERM_CDAB));
+            r[v] = _mm512_add_epi32(r[v], _mm512_shuffle_epi32(r[v], _MM_PERM_BADC));
+          }
+          isum = _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(r[0], fourth_index, r[1]),
+                                      _mm512_permutex2var_epi32(r[2], fourth_index, r[3]), _MM_SHUFFLE(1, 0, 1, 0));
+        }
+      } else {
+        for (int j = 0; j < SUBS; ++j)
+          isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_loadu_si512(cbuf + j * 16 * MG + 16 * i), by_n(sp, i, sc[j])));
+      }
       const __m512 dx = _mm512_castsi512_ps(by_m(sp, i, _mm512_castps_si512(dxv)));
       const __m512 dd = _mm512_mul_ps(_mm512_castsi512_ps(by_n(sp, i, _mm512_castps_si512(d))), dx);
       acc[i] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), acc[i]);
@@ -253,7 +298,8 @@ void group_rows(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, int
   alignas(64) int8_t scratch[16 * SCRATCH];
   alignas(64) int32_t cbuf[16 * 16 * MG];
   std::memset(scratch, 0, sizeof(scratch));  // rows past `cols` stay zero
-  configure(T == Q4_K ? 32 : 16, MG);
+  if constexpr (MG == 1) configure(64, 16, 4 * (T == Q4_K ? 2 : 4));
+  else configure(T == Q4_K ? 32 : 16, T == Q4_K ? 8 : 4, 4 * MG);
   for (int64_t c0 = 0; c0 < cols; c0 += 16)
     column_block<T, MG>(w + c0 * ldw, ldw, std::min<int64_t>(16, cols - c0), g, K, sp, scratch, cbuf, out + c0, ldo);
   release();
@@ -307,6 +353,14 @@ Rows prepare(const int8_t* q, const float* d, const int32_t* sums, int64_t M, in
       const int8_t* x = q + (r0 + m) * K;
       if (mg == 1) {
         std::memcpy(g.xb.data(), x, K);  // one row: the layout is the row
+        // and block-diagonal: per 64 k, 16 rows of spb groups of 4, row r's in group r / (16 / spb)
+        g.xd2.assign(K * 2, 0);
+        g.xd4.assign(K * 4, 0);
+        for (int64_t k4 = 0; k4 < K / 4; ++k4) {
+          const int64_t chunk = k4 / 16, r = k4 % 16;
+          std::memcpy(g.xd2.data() + chunk * 128 + r * 8 + (r / 8) * 4, x + 4 * k4, 4);
+          std::memcpy(g.xd4.data() + chunk * 256 + r * 16 + (r / 4) * 4, x + 4 * k4, 4);
+        }
       } else {
         for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(g.xb.data() + (k4 * mg + m) * 4, x + 4 * k4, 4);
       }

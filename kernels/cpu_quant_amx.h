@@ -16,7 +16,7 @@ bool usable();
 struct Group {
   int64_t r0 = 0;
   int rows = 0, mg = 0;
-  std::vector<int8_t> xb;
+  std::vector<int8_t> xb, xd2, xd4;  // (xd2, xd4: one row's B tiles with 2 and 4 sub-blocks side by side)
   std::vector<float> dx;
   std::vector<int32_t> xsp;
 };
