@@ -16,7 +16,9 @@
 // a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
 // test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 5-16
 // rows (verify blocks, prefill) on AVX-512 take many-row kernels that unpack each weight block once
-// for all of them and compute the same bits ("verify blocks", below).
+// for all of them and compute the same bits ("verify blocks", below). On a CPU with AMX-INT8, Q4_K and
+// Q6_K take kernels/cpu_quant_amx.cpp instead, for every row count: tile products, one float
+// accumulator per output, bits of their own (SPECD_CPU_AMX=0 keeps the paths here).
 //
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
