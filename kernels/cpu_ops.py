@@ -1,7 +1,7 @@
 """Builds and loads kernels/cpu_bf16_ops.cpp: fused bfloat16 ops for CPU decode (torch.ops.specd_cpu;
 paged attention in cpu_paged_attention.cpp), with the bf16 and GGUF-quantized matmuls
-(cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp) and the sampler's passes over float32 vocabulary rows
-(cpu_sampling_ops.cpp).
+(cpu_bf16_matmul.cpp, cpu_quant_matmul.cpp and its AMX-INT8 path for the k-quants, cpu_quant_amx.cpp)
+and the sampler's passes over float32 vocabulary rows (cpu_sampling_ops.cpp).
 
 Compiled once per machine with the C++ compiler torch's extension loader finds, into
 $SPECD_CACHE/torch_extensions/<torch version>-<ISA>, with a stamp of what it was built from
@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_bf16_ops.cpp", "cpu_paged_attention.cpp", "cpu_bf16_matmul.cpp",
-                                                       "cpu_quant_matmul.cpp", "cpu_sampling_ops.cpp")]
+                                                       "cpu_quant_matmul.cpp", "cpu_quant_amx.cpp", "cpu_sampling_ops.cpp")]
 # ISA -> the CPU flags its -m flags let the compiler use, widest first.
 # fma: -mavx512f does not imply it for GCC, and the quantized kernel's AVX2 code (which the
 # AVX-512 build runs) uses it; f16c: GGUF's fp16 scales.

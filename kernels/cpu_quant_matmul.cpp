@@ -16,12 +16,15 @@
 // a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
 // test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 5-16
 // rows (verify blocks, prefill) on AVX-512 take many-row kernels that unpack each weight block once
-// for all of them and compute the same bits ("verify blocks", below).
+// for all of them and compute the same bits ("verify blocks", below). On a CPU with AMX-INT8, Q4_K and
+// Q6_K take kernels/cpu_quant_amx.cpp instead, for every row count: tile products, one float
+// accumulator per output, bits of their own (SPECD_CPU_AMX=0 keeps the paths here).
 //
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
 // to 64. Segments let a fused projection (q, k, v; gate, up) keep each part's own type.
 #include "cpu_bf16_matmul.h"
+#include "cpu_quant_amx.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -256,6 +259,7 @@ struct QuantizedRows {
   std::vector<float> d;
   std::vector<int32_t> sum;
   std::vector<RowGroup> groups;  // where the many-row kernels run: the rows in their layouts
+  specd_quant_amx::Rows amx;     // where Q4_K / Q6_K take the AMX path (cpu_quant_amx.cpp): its layouts
   const int8_t* qrow(int64_t r) const { return q.data() + r * K; }
   const float* drow(int64_t r) const { return d.data() + r * (K / group); }
   const int32_t* srow(int64_t r) const { return sum.data() + r * (K / 32); }
@@ -1070,6 +1074,9 @@ void with_rows(int rows, F&& f) {
 template <int T>
 void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows& xq, int64_t M, float* out,
                int64_t ldo) {
+  if constexpr (T == Q4_K || T == Q6_K) {
+    if (!xq.amx.groups.empty()) return specd_quant_amx::k_rows(T, w, ldw, cols, xq.amx, xq.K, out, ldo);
+  }
 #if defined(SPECD_AVX512)
   if (!xq.groups.empty()) {  // a verify block or more: each weight block once for up to 16 rows
     for (const RowGroup& g : xq.groups) {
@@ -1180,10 +1187,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   for (const Segment& s : p.segments) (s.type >= Q4_K ? any256 : any32) = true;
   QuantizedRows x32 = any32 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 32) : QuantizedRows();
   QuantizedRows x256 = any256 ? quantize_rows(xc.data_ptr<bf16>(), M, p.K, 256) : QuantizedRows();
+  // Q4_K and Q6_K on AMX-INT8: that path for every row count, with its own bits (cpu_quant_amx.cpp)
+  bool amx_types = false, any_other_k = false;  // (Q5_K keeps the lane paths)
+  for (const Segment& s : p.segments) {
+    amx_types |= s.type == Q4_K || s.type == Q6_K;
+    any_other_k |= s.type == Q5_K;
+  }
+  const bool amx = amx_types && !portable() && specd_quant_amx::usable();
+  if (amx) x256.amx = specd_quant_amx::prepare(x256.q.data(), x256.d.data(), x256.sum.data(), M, p.K);
 #if defined(SPECD_AVX512)
   if (M >= MANY_ROWS && !portable()) {
     for (QuantizedRows* xq : {&x32, &x256}) {
-      if (xq->q.empty()) continue;
+      if (xq->q.empty() || (xq == &x256 && amx && !any_other_k)) continue;
       xq->groups = row_groups(*xq, M);
     }
   }

@@ -4,10 +4,11 @@ Each build runs in its own process (SPECD_CPU_ISA; tests/kernels/isa_outputs.py)
 inputs: bf16 matmuls of several shapes and the whole forward of two tiny models and of the
 default target where it is fetched, greedy with drafts (the tiny models' bf16 activations round
 away most one-ulp differences; on the default target, attention's sums taken in another order
-changed 67 of its 72 logprobs, so that is where a difference shows). On an AVX-512 machine both builds run natively (the matmul's bf16 dot product off, as it
-rounds its pairs differently); on an AVX2 machine the AVX-512 code runs through SIMDe's portable
-intrinsics where its headers are installed (Debian: libsimde-dev), so each kind of machine checks
-the code path it would otherwise never run.
+changed 67 of its 72 logprobs, so that is where a difference shows). On an AVX-512 machine both
+builds run natively (the matmul's bf16 dot product off, as it rounds its pairs differently, and the
+AMX-INT8 path of Q4_K / Q6_K, whose bits are its own); on an AVX2 machine the AVX-512 code runs
+through SIMDe's portable intrinsics where its headers are installed (Debian: libsimde-dev), so each
+kind of machine checks the code path it would otherwise never run.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(model_dirs, tmp_path):
         dirs.append(str(model_store.target_dir()))
     outs = []
     for isa in builds:
-        env = {**os.environ, "SPECD_CPU_ISA": isa, "SPECD_CPU_BF16_DOT": "0", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "SPECD_CPU_ISA": isa, "SPECD_CPU_BF16_DOT": "0", "SPECD_CPU_AMX": "0",
+               "OMP_NUM_THREADS": "1"}
         out = tmp_path / f"{isa}.pt"
         run = subprocess.run([sys.executable, str(SCRIPT), str(out), *dirs], env=env, capture_output=True,
                              text=True, timeout=1500)
