@@ -34,6 +34,9 @@
 // against 2.20x); the k-quant matmuls alone 1.82x at 9 tokens, the rest of the 9-token time mostly
 // the Q8_0 LM head and Q5_0 q / k projections on the lane paths
 // (bench/results/verify_rows_q4km_1p5b_xeon_amx_int8.md).
+//
+// One file (about 410 lines): the tile shapes, the scratch layouts they read and the one float
+// expression that makes the path batch-invariant belong together.
 #include "cpu_quant_amx.h"
 
 #include <c10/util/Exception.h>

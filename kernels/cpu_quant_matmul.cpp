@@ -23,6 +23,11 @@
 // A packed weight is one uint8 tensor: a header of int64 (magic, K, N, segments, then per segment:
 // GGML type, rows, byte offset, bytes per row) and the segments' rows, each segment's offset aligned
 // to 64. Segments let a fused projection (q, k, v; gate, up) keep each part's own type.
+//
+// One file (about 1,300 lines) on purpose: its paths (portable, AVX2, AVX-512 1-4 rows, the many-row
+// kernels) must give the same bits, so they share the block decoders (Q<T>), the activations'
+// quantization and the float order in one translation unit, where a change to one is read beside the
+// others; test_isa_builds.py builds this unit per ISA and compares the bits.
 #include "cpu_bf16_matmul.h"
 #include "cpu_quant_amx.h"
 
