@@ -19,7 +19,7 @@ from typing import Any, Iterator, Literal
 from pydantic import ValidationError
 
 from .errors import APIError, bad_request
-from .schemas import ChatCompletionRequest, SamplingFields, Speculative, ToolFields, _Body
+from .schemas import ChatCompletionRequest, GenerationFields, ToolFields, _Body
 
 # OpenAI's metadata limits: 16 pairs, keys to 64 characters, values to 512.
 MAX_METADATA = (16, 64, 512)
@@ -43,12 +43,10 @@ class ResponsesStreamOptions(_Body):
     include_obfuscation: bool | None = None  # random padding against length side channels: not added here
 
 
-class ResponsesRequest(SamplingFields, ToolFields):  # (temperature, top_p; as on chat: top_k, min_p, seed, stop)
-    model: str | None = None
+class ResponsesRequest(GenerationFields, ToolFields):
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     text: TextConfig | None = None
     max_tool_calls: int | None = None
@@ -58,7 +56,6 @@ class ResponsesRequest(SamplingFields, ToolFields):  # (temperature, top_p; as o
     truncation: str | None = None
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # state: refused unless absent (or false)
@@ -67,8 +64,6 @@ class ResponsesRequest(SamplingFields, ToolFields):  # (temperature, top_p; as o
     conversation: str | dict | None = None
     background: bool | None = None
     prompt: dict | None = None
-    # specd's extension, as on chat
-    speculative: Speculative | None = None
 
     def check_supported(self) -> None:
         """400 naming the field for what needs stored state or is not implemented."""

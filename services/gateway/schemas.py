@@ -78,9 +78,14 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class SamplingFields(_Body):
-    """The sampling knobs every generation endpoint takes (chat, completions, responses), one
-    definition of their types; top_k and min_p are vLLM's extensions."""
+class GenerationFields(_Body):
+    """What every generation endpoint takes (chat, completions, responses), one definition of each
+    field's type: the model, streaming, the user, specd's speculative and the sampling knobs (top_k
+    and min_p are vLLM's extensions)."""
+    model: str | None = None  # None: the served model (as vLLM)
+    stream: bool | None = False
+    user: str | None = None
+    speculative: Speculative | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -89,21 +94,17 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
 
 
-class _GenerationBody(SamplingFields):
-    model: str | None = None  # None: the served model (as vLLM)
+class _GenerationBody(GenerationFields):
     max_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
-    stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None  # vLLM's extension, as min_tokens
     min_tokens: int | None = None
-    speculative: Speculative | None = None
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (one of json,
     # json_object, regex, choice, grammar), not both.
     response_format: dict | None = None
