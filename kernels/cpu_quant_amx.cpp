@@ -188,7 +188,8 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
       SPECD_PRODUCT(1, 6, 7, scratch + 64, SCRATCH, xd + 1 * 64 * SPB, SPB, cbuf + 1 * 16 * SPB);
       SPECD_PRODUCT(2, 6, 7, scratch + 128, SCRATCH, xd + 2 * 64 * SPB, SPB, cbuf + 2 * 16 * SPB);
       SPECD_PRODUCT(3, 6, 7, scratch + 192, SCRATCH, xd + 3 * 64 * SPB, SPB, cbuf + 3 * 16 * SPB);
-    } else if constexpr (Q4) {
+    } else {  // Q4_K: 8 sub-blocks of 32; Q6_K: 16 of 16, C tiles 0-5 in turn (the tile macros
+      // stringify their tile numbers into the asm: literal numbers, so no loop)
       SPECD_SUB(0, 6, 7, scratch + 0 * KS, xb + 0 * KS * MG, MG, cbuf + 0 * 16 * MG);
       SPECD_SUB(1, 6, 7, scratch + 1 * KS, xb + 1 * KS * MG, MG, cbuf + 1 * 16 * MG);
       SPECD_SUB(2, 6, 7, scratch + 2 * KS, xb + 2 * KS * MG, MG, cbuf + 2 * 16 * MG);
@@ -197,24 +198,18 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
       SPECD_SUB(5, 6, 7, scratch + 5 * KS, xb + 5 * KS * MG, MG, cbuf + 5 * 16 * MG);
       SPECD_SUB(0, 6, 7, scratch + 6 * KS, xb + 6 * KS * MG, MG, cbuf + 6 * 16 * MG);
       SPECD_SUB(1, 6, 7, scratch + 7 * KS, xb + 7 * KS * MG, MG, cbuf + 7 * 16 * MG);
-    } else {
-      SPECD_SUB(0, 6, 7, scratch + 0 * KS, xb + 0 * KS * MG, MG, cbuf + 0 * 16 * MG);
-      SPECD_SUB(1, 6, 7, scratch + 1 * KS, xb + 1 * KS * MG, MG, cbuf + 1 * 16 * MG);
-      SPECD_SUB(2, 6, 7, scratch + 2 * KS, xb + 2 * KS * MG, MG, cbuf + 2 * 16 * MG);
-      SPECD_SUB(3, 6, 7, scratch + 3 * KS, xb + 3 * KS * MG, MG, cbuf + 3 * 16 * MG);
-      SPECD_SUB(4, 6, 7, scratch + 4 * KS, xb + 4 * KS * MG, MG, cbuf + 4 * 16 * MG);
-      SPECD_SUB(5, 6, 7, scratch + 5 * KS, xb + 5 * KS * MG, MG, cbuf + 5 * 16 * MG);
-      SPECD_SUB(0, 6, 7, scratch + 6 * KS, xb + 6 * KS * MG, MG, cbuf + 6 * 16 * MG);
-      SPECD_SUB(1, 6, 7, scratch + 7 * KS, xb + 7 * KS * MG, MG, cbuf + 7 * 16 * MG);
-      SPECD_SUB(2, 6, 7, scratch + 8 * KS, xb + 8 * KS * MG, MG, cbuf + 8 * 16 * MG);
-      SPECD_SUB(3, 6, 7, scratch + 9 * KS, xb + 9 * KS * MG, MG, cbuf + 9 * 16 * MG);
-      SPECD_SUB(4, 6, 7, scratch + 10 * KS, xb + 10 * KS * MG, MG, cbuf + 10 * 16 * MG);
-      SPECD_SUB(5, 6, 7, scratch + 11 * KS, xb + 11 * KS * MG, MG, cbuf + 11 * 16 * MG);
-      SPECD_SUB(0, 6, 7, scratch + 12 * KS, xb + 12 * KS * MG, MG, cbuf + 12 * 16 * MG);
-      SPECD_SUB(1, 6, 7, scratch + 13 * KS, xb + 13 * KS * MG, MG, cbuf + 13 * 16 * MG);
-      SPECD_SUB(2, 6, 7, scratch + 14 * KS, xb + 14 * KS * MG, MG, cbuf + 14 * 16 * MG);
-      SPECD_SUB(3, 6, 7, scratch + 15 * KS, xb + 15 * KS * MG, MG, cbuf + 15 * 16 * MG);
+      if constexpr (!Q4) {
+        SPECD_SUB(2, 6, 7, scratch + 8 * KS, xb + 8 * KS * MG, MG, cbuf + 8 * 16 * MG);
+        SPECD_SUB(3, 6, 7, scratch + 9 * KS, xb + 9 * KS * MG, MG, cbuf + 9 * 16 * MG);
+        SPECD_SUB(4, 6, 7, scratch + 10 * KS, xb + 10 * KS * MG, MG, cbuf + 10 * 16 * MG);
+        SPECD_SUB(5, 6, 7, scratch + 11 * KS, xb + 11 * KS * MG, MG, cbuf + 11 * 16 * MG);
+        SPECD_SUB(0, 6, 7, scratch + 12 * KS, xb + 12 * KS * MG, MG, cbuf + 12 * 16 * MG);
+        SPECD_SUB(1, 6, 7, scratch + 13 * KS, xb + 13 * KS * MG, MG, cbuf + 13 * 16 * MG);
+        SPECD_SUB(2, 6, 7, scratch + 14 * KS, xb + 14 * KS * MG, MG, cbuf + 14 * 16 * MG);
+        SPECD_SUB(3, 6, 7, scratch + 15 * KS, xb + 15 * KS * MG, MG, cbuf + 15 * 16 * MG);
+      }
     }
+    asm volatile("" : : : "memory");  // cbuf is read below (the tile stores' asm says nothing of memory)
     // the scales of the 16 weight rows as vectors over n (while the tiles run)
     __m512i sc[SUBS], mpair[4];
     alignas(64) int8_t q6sc[4][64];  // Q6_K's scale words as gathered (the block-diagonal form reads them)
