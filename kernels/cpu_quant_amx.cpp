@@ -85,6 +85,8 @@ __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
 // One sub-block's tile product: A at a (stride SCRATCH), B at b (stride 4 mg), C stored to c.
 #define SPECD_SUB(TC, TA, TB, a, b, mg, c) SPECD_PRODUCT(TC, TA, TB, a, SCRATCH, b, mg, c)
+// Sub-block i of a block into C tile TC (column_block's scratch, xb, cbuf, KS and MG).
+#define SPECD_SUB_AT(TC, i) SPECD_SUB(TC, 6, 7, scratch + (i) * KS, xb + (i) * KS * MG, MG, cbuf + (i) * 16 * MG)
 #define SPECD_PRODUCT(TC, TA, TB, a, lda, b, mg, c) \
   do {                                     \
     _tile_zero(TC);                        \
@@ -190,23 +192,11 @@ void column_block(const uint8_t* w, int64_t ldw, int64_t cols, const Group& g, i
       SPECD_PRODUCT(3, 6, 7, scratch + 192, SCRATCH, xd + 3 * 64 * SPB, SPB, cbuf + 3 * 16 * SPB);
     } else {  // Q4_K: 8 sub-blocks of 32; Q6_K: 16 of 16, C tiles 0-5 in turn (the tile macros
       // stringify their tile numbers into the asm: literal numbers, so no loop)
-      SPECD_SUB(0, 6, 7, scratch + 0 * KS, xb + 0 * KS * MG, MG, cbuf + 0 * 16 * MG);
-      SPECD_SUB(1, 6, 7, scratch + 1 * KS, xb + 1 * KS * MG, MG, cbuf + 1 * 16 * MG);
-      SPECD_SUB(2, 6, 7, scratch + 2 * KS, xb + 2 * KS * MG, MG, cbuf + 2 * 16 * MG);
-      SPECD_SUB(3, 6, 7, scratch + 3 * KS, xb + 3 * KS * MG, MG, cbuf + 3 * 16 * MG);
-      SPECD_SUB(4, 6, 7, scratch + 4 * KS, xb + 4 * KS * MG, MG, cbuf + 4 * 16 * MG);
-      SPECD_SUB(5, 6, 7, scratch + 5 * KS, xb + 5 * KS * MG, MG, cbuf + 5 * 16 * MG);
-      SPECD_SUB(0, 6, 7, scratch + 6 * KS, xb + 6 * KS * MG, MG, cbuf + 6 * 16 * MG);
-      SPECD_SUB(1, 6, 7, scratch + 7 * KS, xb + 7 * KS * MG, MG, cbuf + 7 * 16 * MG);
+      SPECD_SUB_AT(0, 0); SPECD_SUB_AT(1, 1); SPECD_SUB_AT(2, 2); SPECD_SUB_AT(3, 3);
+      SPECD_SUB_AT(4, 4); SPECD_SUB_AT(5, 5); SPECD_SUB_AT(0, 6); SPECD_SUB_AT(1, 7);
       if constexpr (!Q4) {
-        SPECD_SUB(2, 6, 7, scratch + 8 * KS, xb + 8 * KS * MG, MG, cbuf + 8 * 16 * MG);
-        SPECD_SUB(3, 6, 7, scratch + 9 * KS, xb + 9 * KS * MG, MG, cbuf + 9 * 16 * MG);
-        SPECD_SUB(4, 6, 7, scratch + 10 * KS, xb + 10 * KS * MG, MG, cbuf + 10 * 16 * MG);
-        SPECD_SUB(5, 6, 7, scratch + 11 * KS, xb + 11 * KS * MG, MG, cbuf + 11 * 16 * MG);
-        SPECD_SUB(0, 6, 7, scratch + 12 * KS, xb + 12 * KS * MG, MG, cbuf + 12 * 16 * MG);
-        SPECD_SUB(1, 6, 7, scratch + 13 * KS, xb + 13 * KS * MG, MG, cbuf + 13 * 16 * MG);
-        SPECD_SUB(2, 6, 7, scratch + 14 * KS, xb + 14 * KS * MG, MG, cbuf + 14 * 16 * MG);
-        SPECD_SUB(3, 6, 7, scratch + 15 * KS, xb + 15 * KS * MG, MG, cbuf + 15 * 16 * MG);
+        SPECD_SUB_AT(2, 8); SPECD_SUB_AT(3, 9); SPECD_SUB_AT(4, 10); SPECD_SUB_AT(5, 11);
+        SPECD_SUB_AT(0, 12); SPECD_SUB_AT(1, 13); SPECD_SUB_AT(2, 14); SPECD_SUB_AT(3, 15);
       }
     }
     asm volatile("" : : : "memory");  // cbuf is read below (the tile stores' asm says nothing of memory)
