@@ -1060,18 +1060,25 @@ void rows_avx512(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRow
 #endif
 
 
-constexpr int ROWS = 4;  // rows of x per pass over the weight rows
+constexpr int PORTABLE_ROWS = 4;  // rows of x per pass over the weight rows, the portable path
 constexpr int64_t MANY_ROWS = 5;  // from this many rows on, the AVX-512 build takes the many-row kernels (2-4 rows were
 // 2-23% slower there than in the 1-4 row kernels on a 2-core EPYC, Zen 5: bench/results/verify_rows_q4km_1p5b_epyc.md)
+#if defined(SPECD_AVX512)
+constexpr int SIMD_ROWS = 4;  // (blocks of 5+ rows take the many-row kernels)
+#else
+// AVX2 has no many-row kernels: a verify block of up to 9 rows (k + 1, k <= 8) in one pass, each weight
+// block unpacked once for all its rows; a row's arithmetic is the same for any R, so its bits are too.
+constexpr int SIMD_ROWS = 9;
+#endif
 
-// f(std::integral_constant<int, R>) for R = rows (1 .. ROWS): the kernels take R as a template argument.
-template <class F>
+// f(std::integral_constant<int, R>) for R = rows (1 .. MAX): the kernels take R as a template argument.
+template <int MAX, int R = 1, class F>
 void with_rows(int rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>());
-    case 2: return f(std::integral_constant<int, 2>());
-    case 3: return f(std::integral_constant<int, 3>());
-    default: return f(std::integral_constant<int, ROWS>());
+  if constexpr (R == MAX) {
+    f(std::integral_constant<int, R>());
+  } else {
+    if (rows == R) return f(std::integral_constant<int, R>());
+    with_rows<MAX, R + 1>(rows, f);
   }
 }
 
@@ -1091,14 +1098,15 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
     return;
   }
 #endif
-  for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-    const int R = static_cast<int>(std::min<int64_t>(ROWS, M - r0));
+  const int step = portable() ? PORTABLE_ROWS : SIMD_ROWS;
+  for (int64_t r0 = 0; r0 < M; r0 += step) {
+    const int R = static_cast<int>(std::min<int64_t>(step, M - r0));
     float* o = out + r0 * ldo;
 #if defined(__AVX2__)
     if (!portable()) {
       // One weight row at a time: two or four interleaved rows (more fma chains in flight) streamed
       // the weights 1.2-1.9x slower at batch 1 on the AVX2 EPYC (bench: all of a Q8_0 model's matmuls).
-      with_rows(R, [&](auto r) {
+      with_rows<SIMD_ROWS>(R, [&](auto r) {
         constexpr int RR = decltype(r)::value;
         for (int64_t c = 0; c < cols; ++c) {
           if constexpr (Q<T>::BLOCK == 256) dot_k_simd<T, RR>(w + c * ldw, xq, r0, o + c, ldo);
@@ -1113,7 +1121,7 @@ void dot_block(const uint8_t* w, int64_t ldw, int64_t cols, const QuantizedRows&
       continue;
     }
 #endif
-    float tmp[ROWS];
+    float tmp[PORTABLE_ROWS];
     for (int64_t c = 0; c < cols; ++c) {
       if constexpr (Q<T>::BLOCK == 256) dot_k_portable<T>(w + c * ldw, xq, r0, R, tmp);
       else dot_rows_portable<T>(w + c * ldw, xq, r0, R, tmp);
@@ -1211,7 +1219,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   bf16* yb = float_out ? nullptr : y.data_ptr<bf16>();
   // Work items: chunks of 16 output columns; each computes its columns for all rows, segment by
-  // segment, in groups of ROWS rows over the same weight rows (in cache). The split changes only the
+  // segment, in passes of SIMD_ROWS rows (PORTABLE_ROWS portable) over the same weight rows (in cache). The split changes only the
   // speed. A thread takes its chunks SPAN at a time, so its float32 results in flight are M x 256
   // (a 512-token prefill's gate_up held M x N / threads of them: 18 MB of peak resident size each).
   constexpr int64_t CHUNK = 16, SPAN = 16;
