@@ -19,6 +19,8 @@
 #include <simde/x86/avx512.h>
 #undef _mm512_madd_epi16  // SIMDe 0.7.4's alias of it takes the masked form's 4 arguments
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+#undef _mm512_shuffle_f32x4  // SIMDe 0.7.4 has it but no alias: the name would reach GCC's AVX-512 intrinsic
+#define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)
 #define SPECD_AVX512 1
 #elif defined(__AVX512F__)
 #define SPECD_AVX512 1
