@@ -16,7 +16,8 @@
 // a CPU without AVX2 would run) compute exactly that, bit for bit (tests/kernels/test_cpu_quant_matmul.py,
 // test_isa_builds.py), and dequantize_rows gives the gguf package's float32 values. Blocks of 5-16
 // rows (verify blocks, prefill) on AVX-512 take many-row kernels that unpack each weight block once
-// for all of them and compute the same bits ("verify blocks", below). On a CPU with AMX-INT8, Q4_K and
+// for all of them and compute the same bits ("verify blocks", below); the AVX2 build's kernels take up
+// to 9 rows a pass for the same reason (SIMD_ROWS). On a CPU with AMX-INT8, Q4_K and
 // Q6_K take kernels/cpu_quant_amx.cpp instead, for every row count: tile products, one float
 // accumulator per output, bits of their own (SPECD_CPU_AMX=0 keeps the paths here).
 //
@@ -260,8 +261,9 @@ struct RowGroup {
 // float32 scale, per 32 values their sum (the min terms).
 struct QuantizedRows {
   int64_t K = 0, group = 32;
-  // K / group, kept: drow() runs in the kernels' block loops, where K / group was a 64-bit division per
-  // block (the compiler does not hoist it): 1-row Q5_0 / Q8_0 at ~15 cycles a block of 32 on a Zen 2
+  // K / group, kept: drow() runs in the kernels' block loops, where computing K / group left a 64-bit
+  // division in each block (the compiler did not hoist it): 1-row Q8_0 / Q5_0 took 2.5x / 1.75x the time
+  // on a Zen 2 (bench/results/verify_rows_smollm2_q4km_epyc_avx2.md)
   int64_t groups_per_row = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
@@ -1225,8 +1227,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   float* yf = float_out ? y.data_ptr<float>() : nullptr;
   bf16* yb = float_out ? nullptr : y.data_ptr<bf16>();
   // Work items: chunks of 16 output columns; each computes its columns for all rows, segment by
-  // segment, in passes of SIMD_ROWS rows (PORTABLE_ROWS portable) over the same weight rows (in cache). The split changes only the
-  // speed. A thread takes its chunks SPAN at a time, so its float32 results in flight are M x 256
+  // segment, in passes of SIMD_ROWS rows (PORTABLE_ROWS portable) over the same weight rows (in
+  // cache). The split changes only the speed. A thread takes its chunks SPAN at a time, so its float32 results in flight are M x 256
   // (a 512-token prefill's gate_up held M x N / threads of them: 18 MB of peak resident size each).
   constexpr int64_t CHUNK = 16, SPAN = 16;
   at::parallel_for(0, (N + CHUNK - 1) / CHUNK, 1, [&](int64_t first, int64_t last) {
