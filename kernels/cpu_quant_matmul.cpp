@@ -317,15 +317,15 @@ QuantizedRows quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t group) 
   out.group = group;
   out.groups_per_row = K / group;
   out.q.resize(M * K);
-  out.d.resize(M * (K / group));
+  out.d.resize(M * out.groups_per_row);
   out.sum.resize(M * (K / 32));
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t g = 0; g < K / group; ++g) {
+      for (int64_t g = 0; g < out.groups_per_row; ++g) {
         const bf16* xb = x + r * K + g * group;
         int8_t* q = out.q.data() + r * K + g * group;
         int32_t* sums = out.sum.data() + (r * K + g * group) / 32;
-        float& d_out = out.d[r * (K / group) + g];
+        float& d_out = out.d[r * out.groups_per_row + g];
 #if defined(__AVX2__)
         if (!portable()) {
           quantize_group_avx2(xb, group, q, d_out, sums);
@@ -791,7 +791,7 @@ void dot_tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, floa
 constexpr int64_t PAIR_BYTES = 64;  // one block of 32 of two rows
 
 std::vector<RowGroup> row_groups(const QuantizedRows& xq, int64_t M) {
-  const int64_t nb = xq.K / xq.group, subs = xq.group / 32, n32 = xq.K / 32;
+  const int64_t nb = xq.groups_per_row, subs = xq.group / 32, n32 = xq.K / 32;
   std::vector<RowGroup> out;
   for (int64_t r0 = 0; r0 < M; r0 += GROUP_ROWS) {
     RowGroup g;
